@@ -1,0 +1,34 @@
+# The two commands of the README: `make run` and `make test`. Every install step lives
+# here, so a fresh clone needs nothing else.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# NOTE: torch==2.13.0 first: it is a CPU build on local disk; the project's own range
+# (torch>=2.4) is then already satisfied and nothing large is downloaded.
+TORCH  := torch==2.13.0
+
+.PHONY: run test bench clean
+
+$(PY):
+	python3 -m venv $(VENV)
+	$(PIP) install --quiet $(TORCH)
+
+$(VENV)/.installed: pyproject.toml | $(PY)
+	$(PIP) install --quiet -e .
+	touch $@
+
+$(VENV)/.installed-test: pyproject.toml | $(PY)
+	$(PIP) install --quiet -e '.[test]'
+	touch $@ $(VENV)/.installed
+
+run: $(VENV)/.installed
+	RAY_AUTH_MODE=disabled $(VENV)/bin/pd-cache run $(ARGS)
+
+test: $(VENV)/.installed-test
+	RAY_AUTH_MODE=disabled $(PY) -m pytest $(PYTEST_ARGS)
+
+bench: $(VENV)/.installed
+	for b in benchmarks/bench_*.py; do $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) build *.egg-info

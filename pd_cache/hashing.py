@@ -1,0 +1,165 @@
+"""Namespaced page-hash chains (spec v1, ``shared/design/hashing.md``).
+
+Every KV page that leaves a process is named here, and only here::
+
+    seed(ek, salt) = H(b"pd-cache/ns/v1\\0" || opt(ek) || opt(salt))
+    h_0 = seed,  h_i = H(h_{i-1} || u32le(tokens of page i))
+
+Tokens are converted to one little-endian ``uint32`` buffer once; the per-page loop
+only slices that buffer, so there is no Python-level work per token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+import xxhash
+
+if TYPE_CHECKING:
+    from pd_cache.request import Req
+
+SPEC_VERSION = 1
+NAMESPACE_TAG = b"pd-cache/ns/v1\x00"
+MAX_TOKEN = 2**32
+DIGEST_SIZES = {"xxh3_128": 16, "sha256": 32}
+
+
+def _sha256_digest(data: Any) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+_DIGESTS: dict[str, Callable[[Any], bytes]] = {
+    "xxh3_128": xxhash.xxh3_128_digest,
+    "sha256": _sha256_digest,
+}
+
+
+def digest_fn(algo: str) -> Callable[[Any], bytes]:
+    """The digest function ``H`` of ``algo``; a ``ValueError`` for an unknown name."""
+    try:
+        return _DIGESTS[algo]
+    except KeyError:
+        raise ValueError(f"algo: unknown hash algorithm {algo!r}; expected one of "
+                         f"{sorted(_DIGESTS)}") from None
+
+
+def _opt(value: str | None, field: str) -> bytes:
+    if value is None:
+        return b"\x00"
+    if not isinstance(value, str):
+        raise ValueError(f"{field}: expected str or None, got {type(value).__name__} {value!r}")
+    raw = value.encode("utf-8")
+    return b"\x01" + struct.pack("<I", len(raw)) + raw
+
+
+def namespace_seed(extra_key: str | None, cache_salt: str | None,
+                   algo: str = "xxh3_128") -> bytes:
+    """``h_0`` of every chain in the namespace ``(extra_key, cache_salt)``."""
+    h = digest_fn(algo)
+    return h(NAMESPACE_TAG + _opt(extra_key, "extra_key") + _opt(cache_salt, "cache_salt"))
+
+
+def token_buffer(tokens: Any) -> np.ndarray:
+    """Tokens as one contiguous little-endian ``uint32`` array, validated.
+
+    Accepts a sequence of ints, a numpy integer array or a 1-D integer torch tensor.
+    A value outside ``[0, 2**32)`` or of a non-integer type raises ``ValueError``
+    naming its position.
+    """
+    if isinstance(tokens, np.ndarray):
+        return _from_array(tokens)
+    if type(tokens).__module__.startswith("torch"):
+        return _from_array(tokens.detach().cpu().numpy())
+    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
+        raise ValueError(f"tokens: expected a sequence of ints, got {type(tokens).__name__}")
+    try:
+        # NOTE: the fast path; int64 holds every valid token and makes range checks cheap.
+        arr = np.fromiter(tokens, dtype=np.int64, count=len(tokens))
+    except (TypeError, ValueError, OverflowError):
+        arr = None
+    if arr is None or not all(type(t) is int or isinstance(t, np.integer) for t in tokens):
+        _raise_bad_type(tokens)
+    return _from_array(arr)
+
+
+def _raise_bad_type(tokens: Sequence[Any]) -> None:
+    for i, t in enumerate(tokens):
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+            raise ValueError(f"tokens[{i}]: expected an int, got {type(t).__name__} {t!r}")
+        if not 0 <= int(t) < MAX_TOKEN:
+            raise ValueError(f"tokens[{i}]: {t} is outside [0, 2**32)")
+    raise ValueError("tokens: could not be read as integers")
+
+
+def _from_array(arr: np.ndarray) -> np.ndarray:
+    if arr.ndim != 1:
+        raise ValueError(f"tokens: expected a 1-D array, got shape {tuple(arr.shape)}")
+    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"tokens: expected an integer dtype, got {arr.dtype}")
+    fits = np.issubdtype(arr.dtype, np.unsignedinteger) and arr.dtype.itemsize <= 4
+    if arr.size and not fits:
+        wide = arr if arr.dtype == np.uint64 else arr.astype(np.int64, copy=False)
+        bad = np.flatnonzero((wide < 0) | (wide >= MAX_TOKEN))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"tokens[{i}]: {int(arr[i])} is outside [0, 2**32)")
+    return np.ascontiguousarray(arr, dtype="<u4")
+
+
+def page_hashes(tokens: Any, page_size: int, *, extra_key: str | None = None,
+                cache_salt: str | None = None, prior: bytes | None = None,
+                algo: str = "xxh3_128") -> list[bytes]:
+    """Names of the full pages of ``tokens``; a trailing partial page has none yet.
+
+    ``prior`` continues a chain: hashing ``tokens[k*page_size:]`` with ``prior = h_k``
+    gives ``h_{k+1}, ...``. Without it the chain starts at the namespace seed.
+    """
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size: expected an int >= 1, got {page_size!r}")
+    h = digest_fn(algo)
+    if prior is None:
+        prior = namespace_seed(extra_key, cache_salt, algo)
+    elif not isinstance(prior, bytes) or len(prior) != DIGEST_SIZES[algo]:
+        raise ValueError(f"prior: expected {DIGEST_SIZES[algo]} bytes of {algo}, got {prior!r}")
+    buf = token_buffer(tokens)
+    return _chain(h, prior, memoryview(buf).cast("B"), page_size * 4, len(buf) // page_size)
+
+
+def _chain(h: Callable[[Any], bytes], prior: bytes, raw: memoryview, page_bytes: int,
+           num_pages: int) -> list[bytes]:
+    names = []
+    for start in range(0, num_pages * page_bytes, page_bytes):
+        prior = h(prior + raw[start:start + page_bytes])
+        names.append(prior)
+    return names
+
+
+def compute_prefix_hash(req: Req, tokens: Any, prior: bytes | None = None, *,
+                        page_size: int, algo: str = "xxh3_128") -> list[bytes]:
+    """Names of ``tokens``' full pages in ``req``'s own namespace.
+
+    The namespace is read from the request, so no caller can pass the wrong one.
+    """
+    return page_hashes(tokens, page_size, extra_key=req.extra_key, cache_salt=req.cache_salt,
+                       prior=prior, algo=algo)
+
+
+def to_hex(name: bytes) -> str:
+    """The text form of a page name: lowercase hex."""
+    return name.hex()
+
+
+def from_hex(text: str, algo: str | None = None) -> bytes:
+    """Parse a page name's text form; checks its length against ``algo`` when given."""
+    try:
+        raw = bytes.fromhex(text)
+    except (TypeError, ValueError):
+        raise ValueError(f"page name: not a hex string: {text!r}") from None
+    sizes = [DIGEST_SIZES[algo]] if algo in DIGEST_SIZES else list(DIGEST_SIZES.values())
+    if len(raw) not in sizes:
+        raise ValueError(f"page name: {len(raw)} bytes, expected one of {sizes}: {text!r}")
+    return raw

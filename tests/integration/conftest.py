@@ -1,0 +1,46 @@
+"""One local Ray cluster per pytest session; actors are reused through fixtures."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+
+class RayCluster(NamedTuple):
+    address: str
+    metrics_port: int
+
+
+def _free_port(low: int = 20000, high: int = 30000) -> int:
+    # NOTE: outside 10002-19999, Ray's worker port range.
+    for port in range(low, high):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port for the Ray metrics exporter")
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[RayCluster]:
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    port = _free_port()
+    info = ray.init(
+        num_cpus=4,
+        include_dashboard=False,
+        _metrics_export_port=port,
+        _system_config={"metrics_report_interval_ms": 1000},
+        runtime_env={"env_vars": {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1",
+                                  "OMP_NUM_THREADS": "1"}},
+        logging_level="WARNING",
+    )
+    yield RayCluster(address=info.address_info["gcs_address"], metrics_port=port)
+    ray.shutdown()
