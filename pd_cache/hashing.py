@@ -11,10 +11,11 @@ only slices that buffer, so there is no Python-level work per token.
 
 from __future__ import annotations
 
+import array
 import hashlib
 import struct
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, NoReturn
 
 import numpy as np
 import xxhash
@@ -26,6 +27,7 @@ SPEC_VERSION = 1
 NAMESPACE_TAG = b"pd-cache/ns/v1\x00"
 MAX_TOKEN = 2**32
 DIGEST_SIZES = {"xxh3_128": 16, "sha256": 32}
+_U32_CODE = next(code for code in "IL" if array.array(code).itemsize == 4)
 
 
 def _sha256_digest(data: Any) -> bytes:
@@ -77,16 +79,18 @@ def token_buffer(tokens: Any) -> np.ndarray:
     if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
         raise ValueError(f"tokens: expected a sequence of ints, got {type(tokens).__name__}")
     try:
-        # NOTE: the fast path; int64 holds every valid token and makes range checks cheap.
-        arr = np.fromiter(tokens, dtype=np.int64, count=len(tokens))
-    except (TypeError, ValueError, OverflowError):
-        arr = None
-    if arr is None or not all(type(t) is int or isinstance(t, np.integer) for t in tokens):
-        _raise_bad_type(tokens)
-    return _from_array(arr)
+        # NOTE: array("I") is the cheapest list -> uint32 conversion and rejects negative,
+        # too large and non-integer values itself; only bool (an int subclass) slips by,
+        # and a bool can only have become a 0 or a 1, so only those positions are looked at.
+        arr = np.frombuffer(array.array(_U32_CODE, tokens), dtype=np.uint32)
+    except (TypeError, OverflowError):
+        _raise_bad_token(tokens)
+    if any(type(tokens[i]) is bool for i in np.flatnonzero(arr <= 1).tolist()):
+        _raise_bad_token(tokens)
+    return arr.astype("<u4", copy=False)
 
 
-def _raise_bad_type(tokens: Sequence[Any]) -> None:
+def _raise_bad_token(tokens: Sequence[Any]) -> NoReturn:
     for i, t in enumerate(tokens):
         if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
             raise ValueError(f"tokens[{i}]: expected an int, got {type(t).__name__} {t!r}")
@@ -131,11 +135,43 @@ def page_hashes(tokens: Any, page_size: int, *, extra_key: str | None = None,
 
 def _chain(h: Callable[[Any], bytes], prior: bytes, raw: memoryview, page_bytes: int,
            num_pages: int) -> list[bytes]:
+    if h is xxhash.xxh3_128_digest and _native_chain is not None:
+        return _native_chain(prior, raw[:num_pages * page_bytes], page_bytes)
+    return _python_chain(h, prior, raw, page_bytes, num_pages)
+
+
+def _python_chain(h: Callable[[Any], bytes], prior: bytes, raw: memoryview, page_bytes: int,
+                  num_pages: int) -> list[bytes]:
     names = []
     for start in range(0, num_pages * page_bytes, page_bytes):
         prior = h(prior + raw[start:start + page_bytes])
         names.append(prior)
     return names
+
+
+def _load_native_chain() -> Callable[[bytes, Any, int], list[bytes]] | None:
+    """The C loop of ``pd_cache/_chain.c``, bound to the xxhash package's own XXH3_128bits.
+
+    Used only if it reproduces the Python chain on a probe; otherwise (no compiler at
+    install time, an xxhash build without that symbol) the Python loop serves.
+    """
+    try:
+        import ctypes
+
+        from pd_cache import _chain  # type: ignore[attr-defined]
+        from xxhash import _xxhash  # type: ignore[attr-defined]
+
+        fn = ctypes.CDLL(_xxhash.__file__).XXH3_128bits
+        _chain.bind(ctypes.cast(fn, ctypes.c_void_p).value)
+        probe = np.arange(1000, 1077, dtype="<u4").tobytes()
+        prior = xxhash.xxh3_128_digest(b"probe")
+        want = _python_chain(xxhash.xxh3_128_digest, prior, memoryview(probe), 28, 11)
+        return _chain.chain_xxh3_128 if _chain.chain_xxh3_128(prior, probe, 28) == want else None
+    except (ImportError, OSError, AttributeError, ValueError):
+        return None
+
+
+_native_chain = _load_native_chain()
 
 
 def compute_prefix_hash(req: Req, tokens: Any, prior: bytes | None = None, *,
