@@ -1,0 +1,186 @@
+"""One-process engine: the reference model over the radix cache (L1 device, L2 host).
+
+``generate`` is ``prefill`` then ``decode``; the two are public so that prefill and decode
+workers can run them in different processes, handing the prompt's KV pages across::
+
+    prefill(req)  name the prompt's full pages in req's namespace
+                  match L1/L2 (lock, load back host pages)  ->  _match_storage (L3 seam)
+                  compute the rest of the prompt, cache its new full pages, unlock
+                  -> PrefillOutput(first token, prompt KV pages, names, cached tokens)
+    decode(req, pages, n, first)  greedy/seeded steps over a private KV buffer
+
+Not thread-safe: a worker drives it from one loop.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from pd_cache.config import PDCacheConfig
+from pd_cache.kv import CacheKey, MatchResult, PagePool, RadixCache, SlotError, Tier
+from pd_cache.kv.pool import device_pool, host_pool
+from pd_cache.model import Model, check_pages, kv_to_pages, pages_to_kv, sample
+from pd_cache.request import Req
+from pd_cache.stats import Stats
+
+
+class PrefillOutput(NamedTuple):
+    """What prefill hands to decode.
+
+    ``kv_pages`` ``[ceil(n / page_size), *page_shape]`` hold the prompt's KV (the last
+    page zero past token ``n``); ``page_names`` name its full pages; ``cached_tokens``
+    counts prompt tokens served from each tier (``device``, ``host``, ``storage``);
+    ``logits`` ``[vocab]`` are those ``first_token`` was drawn from.
+    """
+
+    rid: str
+    first_token: int
+    kv_pages: torch.Tensor
+    num_prompt_tokens: int
+    page_names: tuple[bytes, ...]
+    cached_tokens: dict[str, int]
+    logits: torch.Tensor
+
+
+class Result(NamedTuple):
+    """A finished request: generated tokens, cached prompt tokens by tier, first logits."""
+
+    rid: str
+    output_ids: list[int]
+    cached_tokens: dict[str, int]
+    first_logits: torch.Tensor
+
+
+class LocalEngine:
+    """Model, pools and radix cache of one worker. Cache off: ``device_pages=0``."""
+
+    def __init__(self, config: PDCacheConfig | None = None, *,
+                 device: torch.device | str = "cpu") -> None:
+        self.config = config if config is not None else PDCacheConfig()
+        self.layout = self.config.layout
+        self.page_size = self.config.cache.page_size
+        self.model = Model(self.config.model, device)
+        self.stats = Stats()
+        self.device_pool: PagePool = device_pool(self.layout, int(self.config.cache.device_pages),
+                                                 device)
+        self.host_pool: PagePool = host_pool(self.layout, int(self.config.cache.host_pages))
+        self.cache = RadixCache(self.device_pool, self.host_pool,
+                                write_policy=self.config.cache.write_policy, stats=self.stats)
+
+    # -- the request path -----------------------------------------------------------------
+
+    def generate(self, req: Req) -> Result:
+        """Prefill then decode in this process; fills ``req.output_ids``."""
+        out = self.prefill(req)
+        tokens = self.decode(req, out.kv_pages, out.num_prompt_tokens, out.first_token)
+        return Result(req.rid, tokens, out.cached_tokens, out.logits)
+
+    def prefill(self, req: Req) -> PrefillOutput:
+        """Compute the prompt's KV (reusing cached pages) and draw the first token.
+
+        Raises ``ValueError`` for a request the model cannot serve (a token id outside the
+        vocabulary, prompt plus ``max_new_tokens`` beyond the context); nothing is cached then.
+        """
+        self._admit(req)
+        key = CacheKey.for_request(req, page_size=self.page_size,
+                                   algo=self.config.cache.hash_algo)
+        # NOTE: at least the last prompt token is always computed: its logits give token 0.
+        usable = (len(req.input_ids) - 1) // self.page_size
+        match = self.cache.match_prefix(key, max_pages=usable)
+        self.cache.lock(match.node)
+        try:
+            return self._prefill_locked(req, key, match, usable)
+        finally:
+            self.cache.unlock(match.node)
+
+    def _prefill_locked(self, req: Req, key: CacheKey, match: MatchResult,
+                        usable: int) -> PrefillOutput:
+        # NOTE: ``match`` keeps the tiers the pages were found in; load-back moves them.
+        prefix = self.cache.read_pages(self.cache.load_back(match))
+        wanted = key.names[match.num_pages:usable]
+        stored = self._match_storage(req, wanted)
+        check_pages(stored, self.layout, field="_match_storage: pages")
+        if stored.shape[0] > len(wanted):
+            raise ValueError(f"_match_storage: pages: {stored.shape[0]} pages for "
+                             f"{len(wanted)} names")
+        prefix = torch.cat([prefix, stored.to(prefix.device)])
+        num_cached = prefix.shape[0] * self.page_size
+        prefix_kv = pages_to_kv(prefix, num_cached, self.layout)
+        out = self.model(req.input_ids[num_cached:], prefix_kv)
+        pages = kv_to_pages(torch.cat([prefix_kv, out.kv], dim=2), self.page_size)
+        self.cache.insert(key, pages)
+        logits = out.logits[-1]
+        cached = {Tier.DEVICE.value: match.count(Tier.DEVICE) * self.page_size,
+                  Tier.HOST.value: match.count(Tier.HOST) * self.page_size,
+                  Tier.STORAGE.value: stored.shape[0] * self.page_size}
+        return PrefillOutput(req.rid, sample(logits, req.sampling, 0), pages,
+                             len(req.input_ids), key.names, cached, logits)
+
+    def _match_storage(self, req: Req, names: tuple[bytes, ...]) -> torch.Tensor:
+        """KV of the leading pages of ``names`` that a lower tier (L3) can supply.
+
+        ``names`` are the prompt's page names right after the local L1/L2 hit, in ``req``'s
+        namespace. Returns ``[k, *page_shape]`` for the first ``k`` of them; the engine
+        computes the rest. No L3 here: ``k = 0``.
+        """
+        return torch.empty((0, *self.layout.page_shape), dtype=self.device_pool.data.dtype)
+
+    def decode(self, req: Req, prompt_kv_pages: torch.Tensor, num_prompt_tokens: int,
+               first_token: int) -> list[int]:
+        """Generate ``req.max_new_tokens`` tokens after the prompt; fills ``req.output_ids``.
+
+        ``prompt_kv_pages`` are treated as read-only (they may be a shared-memory view).
+        Raises ``ValueError`` if they have the wrong shape, dtype or page count, or if
+        ``num_prompt_tokens`` or ``first_token`` do not fit the request and the model.
+        """
+        self._admit(req)
+        if num_prompt_tokens != len(req.input_ids):
+            raise ValueError(f"num_prompt_tokens: {num_prompt_tokens} != prompt length "
+                             f"{len(req.input_ids)} of request {req.rid!r}")
+        vocab = self.config.model.vocab_size
+        if isinstance(first_token, bool) or not isinstance(first_token, int) \
+                or not 0 <= first_token < vocab:
+            raise ValueError(f"first_token: expected a token id in [0, {vocab}), got "
+                             f"{first_token!r}")
+        kv = pages_to_kv(prompt_kv_pages, num_prompt_tokens, self.layout)
+        tokens = self._decode_steps(req, kv, first_token) if req.max_new_tokens else []
+        req.output_ids = tokens
+        return list(tokens)
+
+    def _decode_steps(self, req: Req, prompt_kv: torch.Tensor, first_token: int) -> list[int]:
+        n, steps = prompt_kv.shape[2], req.max_new_tokens
+        # NOTE: one buffer for the whole sequence; the last token's KV is never needed.
+        buf = prompt_kv.new_empty((*prompt_kv.shape[:2], n + steps - 1, *prompt_kv.shape[3:]))
+        buf[:, :, :n] = prompt_kv
+        tokens = [first_token]
+        for step in range(1, steps):
+            pos = n + step - 1
+            out = self.model([tokens[-1]], buf[:, :, :pos])
+            buf[:, :, pos:pos + 1] = out.kv
+            tokens.append(sample(out.logits[-1], req.sampling, step))
+        return tokens
+
+    def _admit(self, req: Req) -> None:
+        req.check_model(vocab_size=self.config.model.vocab_size,
+                        max_context=self.config.model.max_context)
+
+    # -- for tests and operators ----------------------------------------------------------
+
+    def pool_usage(self) -> dict[str, dict[str, int]]:
+        """Slots held per pool, by owner (``"radix"`` for cached pages)."""
+        return {"device": self.device_pool.usage(), "host": self.host_pool.usage()}
+
+    def locks_held(self) -> int:
+        """Cache locks taken and not yet released; zero between requests."""
+        return self.cache.num_locks
+
+    def close(self) -> None:
+        """Drop the cache and check that no lock or slot leaked (``SlotError`` if one did)."""
+        if self.cache.num_locks:
+            raise SlotError(f"engine: {self.cache.num_locks} cache locks still held at close")
+        self.cache.check_invariants()
+        self.cache.clear()
+        self.device_pool.close()
+        self.host_pool.close()

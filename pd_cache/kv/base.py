@@ -1,0 +1,206 @@
+"""Interfaces and result types of the worker-local KV tiers (L1 device, L2 host).
+
+A *page* holds the KV of ``page_size`` consecutive tokens (``KVLayout.page_shape``). Pools
+hold pages in fixed slots; the prefix cache indexes them by ``(namespace, tokens)``.
+
+Ownership: every allocated slot has exactly one owner (a request id, or ``"radix"`` for
+the pages the prefix cache keeps). Only the owner frees a slot, exactly once; ``close()``
+reports any slot still owned. The prefix cache owns the slots of its nodes; a request that
+reads cached pages does so under a lock, never by taking their slots.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from enum import Enum
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+
+from pd_cache.hashing import compute_prefix_hash, page_hashes, token_buffer
+
+if TYPE_CHECKING:
+    from pd_cache.request import Req
+
+
+class Tier(str, Enum):
+    """Where a cached page was found."""
+
+    DEVICE = "device"
+    HOST = "host"
+    STORAGE = "storage"
+
+
+class SlotError(RuntimeError):
+    """A slot ownership rule was broken: double free, foreign free, or a leak at close.
+
+    These are bugs in the caller, never a cache miss; the message names slot and owner.
+    """
+
+
+class PoolFullError(RuntimeError):
+    """A pool has fewer free slots than were asked for."""
+
+
+class CacheInvariantError(RuntimeError):
+    """``check_invariants`` found the prefix cache in an inconsistent state."""
+
+
+class CacheKey(NamedTuple):
+    """What the prefix cache is keyed by: a namespace and tokens, with their page names.
+
+    ``names[i]`` is the namespaced chain hash of page ``i``; it carries the namespace (and
+    the whole prefix) into every tree lookup, so a node never needs to store one.
+    """
+
+    namespace: tuple[str | None, str | None]
+    tokens: tuple[int, ...]
+    names: tuple[bytes, ...]
+    page_size: int
+
+    @classmethod
+    def for_request(cls, req: Req, tokens: Any = None, *, page_size: int,
+                    algo: str = "xxh3_128") -> CacheKey:
+        """The key of ``tokens`` (default: the prompt) in ``req``'s own namespace."""
+        tokens = req.input_ids if tokens is None else tokens
+        names = compute_prefix_hash(req, tokens, page_size=page_size, algo=algo)
+        return cls(req.namespace, tuple(token_buffer(tokens).tolist()), tuple(names), page_size)
+
+    @classmethod
+    def build(cls, tokens: Any, *, page_size: int, extra_key: str | None = None,
+              cache_salt: str | None = None, algo: str = "xxh3_128") -> CacheKey:
+        """The key of ``tokens`` in the namespace ``(extra_key, cache_salt)``."""
+        names = page_hashes(tokens, page_size, extra_key=extra_key, cache_salt=cache_salt,
+                            algo=algo)
+        return cls((extra_key, cache_salt), tuple(token_buffer(tokens).tolist()),
+                   tuple(names), page_size)
+
+    @property
+    def num_pages(self) -> int:
+        """Full pages only; a trailing partial page is never cached."""
+        return len(self.names)
+
+    def page_tokens(self, i: int) -> tuple[int, ...]:
+        return self.tokens[i * self.page_size:(i + 1) * self.page_size]
+
+
+class HitPage(NamedTuple):
+    """One matched page: its name, the tier it was found in and its slot there."""
+
+    name: bytes
+    tier: Tier
+    slot: int
+
+
+class MatchResult(NamedTuple):
+    """The longest cached prefix of a key, page by page, and the node it ends at.
+
+    ``node`` is the handle to ``lock``/``unlock``; it is the tree root when nothing hit.
+    """
+
+    pages: tuple[HitPage, ...]
+    node: Any
+    key: CacheKey
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.pages)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.pages) * self.key.page_size
+
+    def count(self, tier: Tier) -> int:
+        """Hit pages that were found in ``tier``."""
+        return sum(1 for p in self.pages if p.tier == tier)
+
+    @property
+    def names_past_hit(self) -> tuple[bytes, ...]:
+        """Names of the key's full pages after the hit: what a lower tier may still have."""
+        return self.key.names[len(self.pages):]
+
+
+class InsertResult(NamedTuple):
+    """``node``: the deepest node of the key now cached; ``num_new``: pages added;
+    ``num_pages``: pages of the key cached after the call (``<= key.num_pages`` when the
+    device pool could not make room for all)."""
+
+    node: Any
+    num_new: int
+    num_pages: int
+
+
+class PrefixCache(ABC):
+    """A prefix index over a device pool (L1) and a host pool (L2).
+
+    Single-threaded: a worker calls it from its one scheduling loop.
+    """
+
+    @abstractmethod
+    def match_prefix(self, key: CacheKey, max_pages: int | None = None) -> MatchResult:
+        """The longest cached prefix of ``key`` (at most ``max_pages`` pages), by tier.
+
+        Changes nothing but access times (the matched path becomes most recently used).
+        The result is valid until the next call that may evict; ``lock(result.node)``
+        first to keep its pages.
+        """
+
+    @abstractmethod
+    def load_back(self, match: MatchResult) -> MatchResult:
+        """Copy the host-only pages of ``match`` to device, and return the updated match.
+
+        Evicts other unlocked device pages as needed; if the device pool cannot make room
+        for all, a leading part is loaded and the rest stays on host (still readable).
+        Raises ``ValueError`` if ``match.node`` has been evicted since (a stale match).
+        """
+
+    @abstractmethod
+    def read_pages(self, match: MatchResult) -> torch.Tensor:
+        """A copy of the matched pages, ``[match.num_pages, *page_shape]``, in key order."""
+
+    @abstractmethod
+    def insert(self, key: CacheKey, pages: torch.Tensor) -> InsertResult:
+        """Cache the full pages of ``key``; ``pages[i]`` is the KV of page ``i``.
+
+        Pages already cached are kept as they are (and loaded back to device if they were
+        on host only); new ones get device slots, evicting unlocked pages as needed, and
+        under ``write_through`` also a host copy. Insertion stops early, without error, when
+        the device pool cannot make room. Raises ``ValueError`` if ``pages`` has the wrong
+        shape or dtype or fewer than ``key.num_pages`` pages.
+        """
+
+    @abstractmethod
+    def lock(self, node: Any) -> None:
+        """Pin ``node`` and its ancestors: none of them is evicted until ``unlock``."""
+
+    @abstractmethod
+    def unlock(self, node: Any) -> None:
+        """Undo one ``lock(node)``. Raises ``ValueError`` if ``node`` holds no lock."""
+
+    @abstractmethod
+    def evict(self, tier: Tier, num_pages: int) -> int:
+        """Free up to ``num_pages`` slots of ``tier``, least recently used first.
+
+        Device pages move to host (copied unless already there), or are dropped if the
+        host has no room; host pages are dropped. Locked nodes are never touched.
+        Returns the number of slots freed.
+        """
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Evict every unlocked page from both tiers (locked paths stay)."""
+
+    @abstractmethod
+    def check_invariants(self) -> None:
+        """Raise ``CacheInvariantError`` unless tree, pools and locks agree."""
+
+    @property
+    @abstractmethod
+    def num_locks(self) -> int:
+        """Outstanding ``lock`` calls not yet undone; zero when no request is running."""
+
+
+__all__ = [
+    "CacheInvariantError", "CacheKey", "HitPage", "InsertResult", "MatchResult",
+    "PoolFullError", "PrefixCache", "SlotError", "Tier",
+]

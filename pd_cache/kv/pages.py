@@ -1,0 +1,72 @@
+"""Page tensors: the layout checks and the contiguous <-> paged conversions.
+
+KV layouts (K/V, layer, token, kv head, head dim)::
+
+    contiguous  [2, L, T, Hkv, D]
+    pages       [n, 2, L, page_size, Hkv, D]   token t -> page t // page_size, row t % page_size
+
+A trailing partial page is zero past the last token; ``pages_to_kv`` takes the token count.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pd_cache.config import KVLayout
+
+KV_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                   "float16": torch.float16}
+
+
+def kv_torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a ``kv_dtype`` config string."""
+    if name not in KV_TORCH_DTYPES:
+        raise ValueError(f"kv_dtype: expected one of {sorted(KV_TORCH_DTYPES)}, got {name!r}")
+    return KV_TORCH_DTYPES[name]
+
+
+def check_pages(pages: Any, layout: KVLayout, *, field: str = "pages",
+                num_pages: int | None = None) -> None:
+    """A page tensor ``[n, *layout.page_shape]`` of the layout's dtype, or ValueError."""
+    check_tensor(pages, field, kv_torch_dtype(layout.kv_dtype))
+    if pages.ndim != 6 or tuple(pages.shape[1:]) != layout.page_shape:
+        raise ValueError(f"{field}: expected shape [n, {', '.join(map(str, layout.page_shape))}]"
+                         f", got {list(pages.shape)}")
+    if num_pages is not None and pages.shape[0] != num_pages:
+        raise ValueError(f"{field}: expected {num_pages} pages, got {pages.shape[0]}")
+
+
+def check_tensor(t: Any, field: str, dtype: torch.dtype) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{field}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise ValueError(f"{field}: expected dtype {dtype}, got {t.dtype}")
+
+
+def num_pages_for(num_tokens: int, page_size: int) -> int:
+    """Pages needed to hold ``num_tokens`` (the last one possibly partial)."""
+    return -(-num_tokens // page_size)
+
+
+def kv_to_pages(kv: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Contiguous ``[2, L, T, Hkv, D]`` -> pages ``[ceil(T/ps), 2, L, ps, Hkv, D]``, zero-padded."""
+    two, layers, t, heads, dim = kv.shape
+    n = num_pages_for(t, page_size)
+    padded = kv.new_zeros(two, layers, n * page_size, heads, dim)
+    padded[:, :, :t] = kv
+    return padded.view(two, layers, n, page_size, heads, dim).permute(2, 0, 1, 3, 4, 5) \
+        .contiguous()
+
+
+def pages_to_kv(pages: torch.Tensor, num_tokens: int, layout: KVLayout) -> torch.Tensor:
+    """Pages ``[n, *page_shape]`` holding ``num_tokens`` tokens -> contiguous KV.
+
+    Raises ``ValueError`` if the pages have the wrong shape or dtype, or if ``n`` is not
+    the number of pages that ``num_tokens`` tokens fill.
+    """
+    check_pages(pages, layout, num_pages=num_pages_for(num_tokens, layout.page_size))
+    n, two, layers, ps, heads, dim = pages.shape
+    kv = pages.permute(1, 2, 0, 3, 4, 5).reshape(two, layers, n * ps, heads, dim)
+    return kv[:, :, :num_tokens]

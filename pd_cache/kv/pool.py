@@ -1,0 +1,89 @@
+"""Page pools: one tensor ``[capacity, *page_shape]`` plus an owner-tracking allocator.
+
+The device pool (L1) lives on the worker's torch device; the host pool (L2) in CPU memory,
+pinned when CUDA is present so host <-> device copies can overlap compute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from pd_cache.config import KVLayout
+from pd_cache.kv.allocator import SlotAllocator
+from pd_cache.kv.pages import check_pages, kv_torch_dtype
+
+
+class PagePool:
+    """Fixed-capacity page storage; slots are allocated and freed with an owner."""
+
+    def __init__(self, name: str, capacity: int, layout: KVLayout,
+                 device: torch.device | str = "cpu", *, pin_memory: bool = False) -> None:
+        self.name = name
+        self.layout = layout
+        self.allocator = SlotAllocator(capacity, name)
+        self.data = torch.zeros((capacity, *layout.page_shape),
+                                dtype=kv_torch_dtype(layout.kv_dtype), device=device,
+                                pin_memory=pin_memory)
+
+    @property
+    def capacity(self) -> int:
+        return self.allocator.capacity
+
+    @property
+    def used(self) -> int:
+        return self.allocator.used
+
+    @property
+    def num_free(self) -> int:
+        return self.allocator.num_free
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def alloc(self, n: int, owner: str) -> list[int]:
+        return self.allocator.alloc(n, owner)
+
+    def free(self, slots: Sequence[int], owner: str) -> None:
+        self.allocator.free(slots, owner)
+
+    def usage(self) -> dict[str, int]:
+        return self.allocator.usage()
+
+    def close(self) -> None:
+        self.allocator.close()
+
+    def write(self, slots: Sequence[int], pages: torch.Tensor) -> None:
+        """Store ``pages`` ``[len(slots), *page_shape]`` into ``slots``."""
+        check_pages(pages, self.layout, field=f"{self.name}.write: pages", num_pages=len(slots))
+        if slots:
+            self.data[_index(slots, self.device)] = pages.to(self.device, non_blocking=True)
+
+    def read(self, slots: Sequence[int]) -> torch.Tensor:
+        """A copy of the pages in ``slots``, ``[len(slots), *page_shape]``."""
+        return self.data[_index(slots, self.device)]
+
+    def copy_to(self, dst: PagePool, src_slots: Sequence[int], dst_slots: Sequence[int]) -> None:
+        """Copy pages ``src_slots`` of this pool into ``dst_slots`` of ``dst``."""
+        if len(src_slots) != len(dst_slots):
+            raise ValueError(f"{self.name}.copy_to: {len(src_slots)} source slots but "
+                             f"{len(dst_slots)} destination slots")
+        if src_slots:
+            dst.data[_index(dst_slots, dst.device)] = self.read(src_slots).to(dst.device)
+
+
+def _index(slots: Sequence[int], device: torch.device) -> torch.Tensor:
+    return torch.as_tensor(list(slots), dtype=torch.long, device=device)
+
+
+def device_pool(layout: KVLayout, capacity: int,
+                device: torch.device | str = "cpu") -> PagePool:
+    """The L1 pool on the worker's compute device."""
+    return PagePool("device", capacity, layout, device)
+
+
+def host_pool(layout: KVLayout, capacity: int) -> PagePool:
+    """The L2 pool in CPU memory (pinned when a CUDA device will read it)."""
+    return PagePool("host", capacity, layout, "cpu", pin_memory=torch.cuda.is_available())
