@@ -1,0 +1,274 @@
+"""L3 storage bandwidth: StorageTier actors against a plain memcpy of the same bytes.
+
+128 MiB of KV pages of an 8B-class layout (32 layers, 8 KV heads, head_dim 128, bfloat16,
+16 tokens a page: 2 MiB a page), measured side by side in one run:
+  memcpy      copy the pages into a preallocated pool in this process (the baseline;
+              torch copy_, all threads; a single-threaded numpy copy is reported too)
+  set         StorageClient.batch_set, in batches, fresh page names every repetition
+  get         StorageClient.batch_get of the same pages (zero-copy views on arrival)
+  get+copy    get, then copy every page into the pool (what a worker does with them)
+through 1 and 2 tier actors (memory backend), plus batch_exists latency for 1,024
+stored keys (small pages) and a transport check: the same 128 MiB returned by an actor
+as bare tensors with and without RAY_ENABLE_ZERO_COPY_TORCH_TENSORS, and as PageRecords.
+
+    python benchmarks/bench_storage.py [--repeats R] [--batch-pages B]
+
+Starts its own local Ray cluster (authentication off, no dashboard) and shuts it down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pd_cache.config import CacheConfig, KVLayout, ModelConfig, PDCacheConfig, StorageConfig
+from pd_cache.hashing import namespace_seed, page_hashes
+from pd_cache.storage import PageRecord, make_record
+from pd_cache.storage.client import StorageClient
+from pd_cache.storage.tier import ACTOR_ENV, storage_actors
+
+RESULTS = Path(__file__).parent / "results" / "storage.json"
+SEED = 1234
+TOTAL_BYTES = 128 << 20
+GB = 1e9
+BIG_MODEL = ModelConfig(name="bench-8b", vocab_size=128256, hidden_size=4096, num_layers=32,
+                        num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336,
+                        max_context=8192, kv_dtype="bfloat16")
+
+
+def config(model: ModelConfig, num_shards: int) -> PDCacheConfig:
+    return PDCacheConfig(model=model, cache=CacheConfig(page_size=16),
+                         storage=StorageConfig(capacity_bytes=num_shards * (1 << 30),
+                                               num_shards=num_shards))
+
+
+def chain_records(layout: KVLayout, payloads: list[torch.Tensor], salt: str) -> list[PageRecord]:
+    """One record per payload, named in a fresh namespace so every repetition is new."""
+    gen = torch.Generator().manual_seed(SEED)
+    tokens = torch.randint(0, 32000, (len(payloads) * layout.page_size,), generator=gen).tolist()
+    names = page_hashes(tokens, layout.page_size, cache_salt=salt)
+    priors = [namespace_seed(None, salt), *names[:-1]]
+    ps = layout.page_size
+    return [make_record(n, p, tokens[i * ps:(i + 1) * ps], {"kv": payloads[i]},
+                        fingerprint=layout.fingerprint)
+            for i, (n, p) in enumerate(zip(names, priors))]
+
+
+def timed(fn: Callable[..., Any], *args: Any) -> float:
+    start = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - start
+
+
+def kill_all(handles: list[Any]) -> None:
+    import ray
+
+    for h in handles:
+        ray.kill(h)
+
+
+def in_batches(records: list[Any], size: int) -> list[list[Any]]:
+    return [records[i:i + size] for i in range(0, len(records), size)]
+
+
+def bench_shards(num_shards: int, payloads: list[torch.Tensor], pool: torch.Tensor,
+                 repeats: int, batch_pages: int) -> dict[str, float]:
+    cfg = config(BIG_MODEL, num_shards)
+    handles = storage_actors(cfg)
+    client = StorageClient(handles, timeout_s=120)
+    sets, gets, get_copies, memcpys, memcpys_1t = [], [], [], [], []
+    try:
+        for rep in range(repeats + 1):  # the first repetition warms up and is dropped
+            records = chain_records(cfg.layout, payloads, f"rep{num_shards}-{rep}")
+            batches = in_batches(records, batch_pages)
+            t_set = timed(set_all, client, batches)
+            t_get = timed(get_all, client, batches)
+            t_get_copy = timed(get_and_copy, client, batches, pool)
+            t_memcpy = timed(copy_pages, payloads, pool)
+            t_memcpy_1t = timed(copy_pages_one_thread, payloads, pool)
+            if rep:
+                sets.append(t_set), gets.append(t_get), get_copies.append(t_get_copy)
+                memcpys.append(t_memcpy), memcpys_1t.append(t_memcpy_1t)
+        check_round_trip(client, records)
+    finally:
+        kill_all(handles)
+    return rates({"set": sets, "get": gets, "get_copy": get_copies, "memcpy": memcpys,
+                  "memcpy_1thread": memcpys_1t})
+
+
+def set_all(client: StorageClient, batches: list[list[PageRecord]]) -> None:
+    for b in batches:
+        assert all(client.batch_set([r.name for r in b], b))
+
+
+def get_all(client: StorageClient, batches: list[list[PageRecord]]) -> None:
+    for b in batches:
+        assert all(r is not None for r in client.batch_get([r.name for r in b]))
+
+
+def get_and_copy(client: StorageClient, batches: list[list[PageRecord]],
+                 pool: torch.Tensor) -> None:
+    slot = 0
+    for b in batches:
+        for rec in client.batch_get([r.name for r in b]):
+            pool[slot].copy_(rec.payload())
+            slot += 1
+
+
+def copy_pages(payloads: list[torch.Tensor], pool: torch.Tensor) -> None:
+    for i, p in enumerate(payloads):
+        pool[i].copy_(p)
+
+
+def copy_pages_one_thread(payloads: list[torch.Tensor], pool: torch.Tensor) -> None:
+    """A plain single-threaded memcpy (numpy), beside torch's multi-threaded copy_."""
+    for i, p in enumerate(payloads):
+        np.copyto(pool[i].view(torch.uint8).numpy(), p.view(torch.uint8).numpy())
+
+
+def check_round_trip(client: StorageClient, records: list[PageRecord]) -> None:
+    got = client.batch_get([r.name for r in records[:4]])
+    for g, r in zip(got, records):
+        assert g is not None and torch.equal(g.payload().view(torch.uint8),
+                                             r.payload().view(torch.uint8))
+
+
+def rates(times: dict[str, list[float]]) -> dict[str, float]:
+    med = {k: statistics.median(v) for k, v in times.items()}
+    out = {f"{k}_gbps": TOTAL_BYTES / t / GB for k, t in med.items()}
+    for k in ("set", "get", "get_copy"):
+        out[f"{k}_vs_memcpy"] = med["memcpy"] / med[k]
+        out[f"{k}_vs_memcpy_1thread"] = med["memcpy_1thread"] / med[k]
+    return out
+
+
+def bench_exists(repeats: int) -> dict[str, float]:
+    """batch_exists of 1,024 stored keys (small pages: latency does not depend on size)."""
+    cfg = config(ModelConfig.preset("tiny"), 2)
+    handles = storage_actors(cfg)
+    out = {}
+    try:
+        gen = torch.Generator().manual_seed(SEED)
+        payloads = [torch.randn(cfg.layout.page_shape, generator=gen) for _ in range(1024)]
+        records = chain_records(cfg.layout, payloads, "exists")
+        keys = [r.name for r in records]
+        for shards in (1, 2):
+            client = StorageClient(handles[:shards], timeout_s=120)
+            for b in in_batches(records, 256):
+                assert all(client.batch_set([r.name for r in b], b))
+            assert client.batch_exists(keys) == 1024
+            runs = [timed(client.batch_exists, keys) for _ in range(repeats * 4)]
+            out[f"exists_1024_ms_{shards}_shard"] = statistics.median(runs) * 1e3
+    finally:
+        kill_all(handles)
+    return out
+
+
+class Holder:
+    """Returns the same pages three ways (the transport check)."""
+
+    def __init__(self, payloads: list[torch.Tensor], records: list[PageRecord]) -> None:
+        self.payloads = [p.clone() for p in payloads]
+        self.records = [PageRecord(r.header, (p,)) for r, p in zip(records, self.payloads)]
+
+    def tensors(self, lo: int, hi: int) -> list[torch.Tensor]:
+        return self.payloads[lo:hi]
+
+    def records_(self, lo: int, hi: int) -> list[PageRecord]:
+        return self.records[lo:hi]
+
+
+def fetch_all(fetch: Any, n: int, batch_pages: int) -> None:
+    import ray
+
+    for lo in range(0, n, batch_pages):
+        ray.get(fetch.remote(lo, lo + batch_pages))
+
+
+def bench_transport(payloads: list[torch.Tensor], records: list[PageRecord], repeats: int,
+                    batch_pages: int) -> dict[str, float]:
+    import ray
+
+    out = {}
+    for label, env, method in (("tensor_pickled", {}, "tensors"),
+                               ("tensor_zero_copy_env", ACTOR_ENV, "tensors"),
+                               ("page_record_uint8_views", {}, "records_")):
+        actor = ray.remote(Holder).options(runtime_env={"env_vars": env}, num_cpus=0).remote(
+            payloads, records)
+        fetch = getattr(actor, method)
+        fetch_all(fetch, len(payloads), batch_pages)  # warm-up
+        out[f"{label}_gbps"] = TOTAL_BYTES / statistics.median(
+            timed(fetch_all, fetch, len(payloads), batch_pages) for _ in range(repeats)) / GB
+        ray.kill(actor)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--batch-pages", type=int, default=16)
+    args = parser.parse_args()
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING",
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    try:
+        results = run(args)
+    finally:
+        ray.shutdown()
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {RESULTS}")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    torch.manual_seed(SEED)
+    layout = config(BIG_MODEL, 1).layout
+    page_bytes = torch.Size(layout.page_shape).numel() * 2
+    n = TOTAL_BYTES // page_bytes
+    payloads = [torch.randn(layout.page_shape).to(torch.bfloat16) for _ in range(n)]
+    pool = torch.empty((n, *layout.page_shape), dtype=torch.bfloat16)
+    copy_pages(payloads, pool)  # fault the pool in before anything is timed
+    results: dict[str, Any] = {
+        "seed": SEED, "total_bytes": TOTAL_BYTES, "page_bytes": page_bytes, "pages": n,
+        "batch_pages": args.batch_pages, "repeats": args.repeats,
+        "page_shape": list(layout.page_shape), "kv_dtype": layout.kv_dtype, "shards": {},
+    }
+    for shards in (1, 2):
+        r = bench_shards(shards, payloads, pool, args.repeats, args.batch_pages)
+        results["shards"][shards] = r
+        print(f"{shards} shard(s): memcpy {r['memcpy_gbps']:.2f} GB/s | "
+              f"set {r['set_gbps']:.2f} GB/s ({r['set_vs_memcpy']:.2f}x) | "
+              f"get {r['get_gbps']:.2f} GB/s ({r['get_vs_memcpy']:.2f}x) | "
+              f"get+copy {r['get_copy_gbps']:.2f} GB/s ({r['get_copy_vs_memcpy']:.2f}x) | "
+              f"1-thread memcpy {r['memcpy_1thread_gbps']:.2f} GB/s, get "
+              f"{r['get_vs_memcpy_1thread']:.2f}x of it")
+    exists = bench_exists(args.repeats)
+    print("batch_exists(1024 keys): " + ", ".join(f"{k} {v:.2f}" for k, v in exists.items()))
+    transport = bench_transport(payloads, chain_records(layout, payloads, "transport"),
+                                args.repeats, args.batch_pages)
+    print("transport (actor -> driver): " + ", ".join(f"{k} {v:.2f}"
+                                                     for k, v in transport.items()))
+    one = results["shards"][1]
+    results.update(exists, transport=transport, memcpy_gbps=one["memcpy_gbps"],
+                   get_vs_memcpy=one["get_vs_memcpy"], set_vs_memcpy=one["set_vs_memcpy"],
+                   get_vs_memcpy_1thread=one["get_vs_memcpy_1thread"],
+                   exists_1024_ms=exists["exists_1024_ms_1_shard"],
+                   target_get_vs_memcpy=0.3, meets_target=one["get_vs_memcpy"] >= 0.3)
+    print(f"get vs memcpy {one['get_vs_memcpy']:.2f}x (target 0.3x): "
+          f"{'met' if results['meets_target'] else 'NOT met'}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

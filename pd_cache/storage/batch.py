@@ -1,0 +1,118 @@
+"""What a storage batch must look like: keys, pools, pages, and the chain around them.
+
+Shared by the local backends and the sharded client, so both refuse the same bad input
+with the same ``ValueError`` before anything is stored or sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from pd_cache.hashing import DIGEST_SIZES, from_hex
+from pd_cache.storage.base import ExtraInfo, PoolTransfer
+from pd_cache.storage.record import PageRecord, check_pool_name, payload_problem
+
+
+class Batch(NamedTuple):
+    """One transfer, checked: keys as bytes and the expected prior of each key."""
+
+    pool: str
+    keys: list[bytes]
+    priors: list[bytes | None]
+    pages: list[PageRecord] | None
+
+
+def normalize_key(key: Any, algo: str, field: str) -> bytes:
+    """A page name as bytes: ``bytes`` of the digest size, or its lowercase hex text."""
+    size = DIGEST_SIZES[algo]
+    if isinstance(key, str):
+        try:
+            return from_hex(key, algo)
+        except ValueError as e:
+            raise ValueError(f"{field}: {e}") from None
+    if not isinstance(key, bytes):
+        raise ValueError(f"{field}: expected bytes or hex str, got {type(key).__name__}")
+    if len(key) != size:
+        raise ValueError(f"{field}: {len(key)} bytes, expected {size} for {algo}: {key!r}")
+    return key
+
+
+def normalize_keys(keys: Any, algo: str, field: str = "keys") -> list[bytes]:
+    if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence):
+        raise ValueError(f"{field}: expected a sequence of page names, got "
+                         f"{type(keys).__name__}")
+    return [normalize_key(k, algo, f"{field}[{i}]") for i, k in enumerate(keys)]
+
+
+def expected_priors(keys: list[bytes], info: ExtraInfo | None,
+                    algo: str) -> list[bytes | None]:
+    """The prior each key must have, per ``info.prefix_keys``; ``None`` where unknown.
+
+    ``None`` (feature off) checks nothing; ``[]`` starts at ``info.namespace_seed`` (if
+    given); non-empty starts at its last name. Within the batch, each key follows the last.
+    """
+    if info is None or info.prefix_keys is None or not keys:
+        return [None] * len(keys)
+    prefix = normalize_keys(info.prefix_keys, algo, "extra_info.prefix_keys")
+    if prefix:
+        first: bytes | None = prefix[-1]
+    elif info.namespace_seed is not None:
+        first = normalize_key(info.namespace_seed, algo, "extra_info.namespace_seed")
+    else:
+        first = None
+    return [first, *keys[:-1]]
+
+
+def check_batch(transfers: Sequence[PoolTransfer], info: ExtraInfo | None, algo: str, *,
+                with_pages: bool) -> list[Batch]:
+    """Check every transfer of a v2 call; ``ValueError`` on the first problem."""
+    if isinstance(transfers, PoolTransfer) or not isinstance(transfers, Sequence):
+        raise ValueError(f"transfers: expected a sequence of PoolTransfer, got "
+                         f"{type(transfers).__name__}")
+    if info is not None and not isinstance(info, ExtraInfo):
+        raise ValueError(f"extra_info: expected ExtraInfo or None, got {type(info).__name__}")
+    batches, seen = [], set()
+    for j, t in enumerate(transfers):
+        batch = _check_transfer(t, info, algo, with_pages, f"transfers[{j}]")
+        if batch.pool in seen:
+            raise ValueError(f"transfers[{j}].pool: {batch.pool!r} appears twice")
+        seen.add(batch.pool)
+        batches.append(batch)
+    return batches
+
+
+def _check_transfer(t: Any, info: ExtraInfo | None, algo: str, with_pages: bool,
+                    field: str) -> Batch:
+    if not isinstance(t, PoolTransfer):
+        raise ValueError(f"{field}: expected a PoolTransfer, got {type(t).__name__}")
+    pool = check_pool_name(t.pool, f"{field}.pool")
+    keys = normalize_keys(t.keys, algo, f"{field}.keys")
+    priors = _priors(t, keys, info, algo, field)
+    pages = _check_pages(t.pages, len(keys), f"{field}.pages") if with_pages else None
+    return Batch(pool, keys, priors, pages)
+
+
+def _priors(t: PoolTransfer, keys: list[bytes], info: ExtraInfo | None, algo: str,
+            field: str) -> list[bytes | None]:
+    if t.priors is None:
+        return expected_priors(keys, info, algo)
+    if len(t.priors) != len(keys):
+        raise ValueError(f"{field}.priors: {len(t.priors)} priors for {len(keys)} keys")
+    return [None if p is None else normalize_key(p, algo, f"{field}.priors[{i}]")
+            for i, p in enumerate(t.priors)]
+
+
+def _check_pages(pages: Any, n: int, field: str) -> list[PageRecord]:
+    if pages is None or isinstance(pages, (str, bytes)) or not isinstance(pages, Sequence):
+        raise ValueError(f"{field}: expected a sequence of PageRecord, got "
+                         f"{type(pages).__name__}")
+    if len(pages) != n:
+        raise ValueError(f"{field}: {len(pages)} pages for {n} keys")
+    for i, page in enumerate(pages):
+        if not isinstance(page, PageRecord):
+            raise ValueError(f"{field}[{i}]: expected a PageRecord, got {type(page).__name__}")
+        problem = payload_problem(page)
+        if problem:
+            raise ValueError(f"{field}[{i}]: {problem}")
+    return list(pages)

@@ -1,0 +1,254 @@
+"""``StorageClient``: the backend interface over N ``StorageTier`` actors.
+
+Each page name goes to one shard by rendezvous hashing (the shard with the highest
+``xxh3_64(name, seed=shard)``), so adding a shard moves only the names it wins. A batch is
+split per shard, sent to all of them at once and merged back in key order::
+
+    keys      k0  k1  k2  k3  k4          exists: shard 0 has 1 of [k0 k2 k4] -> stops at k2
+    shard     0   1   0   1   0                   shard 1 has 2 of [k1 k3]    -> no stop
+    prefix = min over shards of the position where that shard's hits stop = 2
+
+Expected priors are computed here, over the whole batch, and sent with each shard's
+keys, so the chain check holds although no shard sees consecutive keys.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar
+
+import xxhash
+
+from pd_cache.stats import Event, MissReason, Stats
+from pd_cache.storage.base import (
+    ExtraInfo,
+    Pending,
+    PoolHits,
+    PoolTransfer,
+    ShardFault,
+    StorageBackend,
+    Usage,
+)
+from pd_cache.storage.batch import Batch, check_batch
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Plan = dict[int, list[tuple[int, list[int]]]]  # shard -> [(transfer index, key positions)]
+
+
+def rendezvous(name: bytes, num_shards: int) -> int:
+    """The shard that owns page ``name``: highest random weight, stable across processes."""
+    if num_shards == 1:
+        return 0
+    return max(range(num_shards), key=lambda s: xxhash.xxh3_64_intdigest(name, seed=s))
+
+
+class StorageClient(StorageBackend):
+    """Spreads pages over tier actors; sync calls wait at most ``timeout_s`` seconds.
+
+    ``handles`` must be in the same order in every process (shard ``i`` is ``handles[i]``).
+    A shard that is dead or slower than the timeout never raises and never hangs: its keys
+    are misses, counted here by reason (``storage_error`` / ``timeout``), and the
+    ``submit_*`` variants list it in :attr:`Pending.faults`.
+    """
+
+    def __init__(self, handles: Sequence[Any], *, algo: str = "xxh3_128",
+                 timeout_s: float | None = 30.0) -> None:
+        if not handles:
+            raise ValueError("handles: expected at least one StorageTier actor")
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError(f"timeout_s: expected a number > 0 or None, got {timeout_s!r}")
+        self.handles, self.algo, self.timeout_s = list(handles), algo, timeout_s
+        self._stats = Stats()
+        self._warned: set[tuple[int, MissReason]] = set()
+
+    @classmethod
+    def from_config(cls, config: Any, name: str | None = None, *, detached: bool = False,
+                    timeout_s: float | None = 30.0, **options: Any) -> StorageClient:
+        """Create (or, when named, join) ``config.storage.num_shards`` tier actors."""
+        from pd_cache.storage.tier import storage_actors
+
+        return cls(storage_actors(config, name, detached=detached, **options),
+                   algo=config.cache.hash_algo, timeout_s=timeout_s)
+
+    # -- sync: submit and wait --------------------------------------------------------------
+    def batch_exists_v2(self, transfers: Sequence[PoolTransfer],
+                        extra_info: ExtraInfo | None = None) -> PoolHits:
+        return self.submit_exists_v2(transfers, extra_info).result()
+
+    def batch_get_v2(self, transfers: Sequence[PoolTransfer],
+                     extra_info: ExtraInfo | None = None) -> list[PoolTransfer]:
+        return self.submit_get_v2(transfers, extra_info).result()
+
+    def batch_set_v2(self, transfers: Sequence[PoolTransfer],
+                     extra_info: ExtraInfo | None = None) -> list[list[bool]]:
+        return self.submit_set_v2(transfers, extra_info).result()
+
+    # -- async ------------------------------------------------------------------------------
+    def submit_exists_v2(self, transfers: Sequence[PoolTransfer],
+                         extra_info: ExtraInfo | None = None) -> Pending[PoolHits]:
+        batches = check_batch(transfers, extra_info, self.algo, with_pages=False)
+        if not batches:
+            raise ValueError("transfers: name at least one pool")
+        plan = self._plan(batches)
+        refs = {s: self.handles[s].batch_exists_v2.remote(_share(batches, parts), extra_info)
+                for s, parts in plan.items()}
+        return _FanOut(refs, lambda answers: _merge_exists(batches, plan, answers),
+                       self._fault_counter(plan, Event.MISS, per_key=False), self.timeout_s)
+
+    def submit_get_v2(self, transfers: Sequence[PoolTransfer],
+                      extra_info: ExtraInfo | None = None) -> Pending[list[PoolTransfer]]:
+        batches = check_batch(transfers, extra_info, self.algo, with_pages=False)
+        plan = self._plan(batches)
+        refs = {s: self.handles[s].batch_get_v2.remote(_share(batches, parts), extra_info)
+                for s, parts in plan.items()}
+        merge = _merger(batches, plan, None, lambda b, pages: PoolTransfer(b.pool, b.keys, pages))
+        return _FanOut(refs, merge, self._fault_counter(plan, Event.MISS), self.timeout_s)
+
+    def submit_set_v2(self, transfers: Sequence[PoolTransfer],
+                      extra_info: ExtraInfo | None = None) -> Pending[list[list[bool]]]:
+        # NOTE: every shard's share is checked before any is sent: bad input stores nothing.
+        batches = check_batch(transfers, extra_info, self.algo, with_pages=True)
+        plan = self._plan(batches)
+        refs = {s: self.handles[s].batch_set_v2.remote(_share(batches, parts), extra_info)
+                for s, parts in plan.items()}
+        merge = _merger(batches, plan, False, lambda b, acks: acks)
+        return _FanOut(refs, merge, self._fault_counter(plan, Event.REFUSED), self.timeout_s)
+
+    # -- counts -----------------------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        """This client's fault counts plus every reachable shard's counts."""
+        total = Stats()
+        total.merge(self._stats.snapshot())
+        for snapshot in self._gather("stats"):
+            total.merge(snapshot)
+        return total.snapshot()
+
+    def usage(self) -> Usage:
+        usages = self._gather("usage")
+        return Usage(sum(u.records for u in usages), sum(u.bytes for u in usages),
+                     sum(u.capacity_bytes for u in usages))
+
+    def _gather(self, method: str) -> list[Any]:
+        refs = {s: getattr(h, method).remote() for s, h in enumerate(self.handles)}
+        answers = _FanOut(refs, lambda a: a, lambda fault: None, self.timeout_s).result()
+        return [answers[s] for s in sorted(answers)]
+
+    # -- routing ----------------------------------------------------------------------------
+    def shard_of(self, key: bytes) -> int:
+        return rendezvous(key, len(self.handles))
+
+    def _plan(self, batches: list[Batch]) -> Plan:
+        plan: Plan = {}
+        for j, b in enumerate(batches):
+            positions: dict[int, list[int]] = {}
+            for i, key in enumerate(b.keys):
+                positions.setdefault(self.shard_of(key), []).append(i)
+            for s, pos in positions.items():
+                plan.setdefault(s, []).append((j, pos))
+        return plan
+
+    def _fault_counter(self, plan: Plan, event: Event,
+                       per_key: bool = True) -> Callable[[ShardFault], None]:
+        def count(fault: ShardFault) -> None:
+            # NOTE: a dead shard fails every call; say so once per shard and reason.
+            first = (fault.shard, fault.reason) not in self._warned
+            self._warned.add((fault.shard, fault.reason))
+            log.log(logging.WARNING if first else logging.DEBUG, "L3 shard %d: %s (%s)",
+                    fault.shard, fault.reason.value, fault.detail)
+            n = sum(len(pos) for _, pos in plan[fault.shard]) if per_key else 1
+            self._stats.count(event, fault.reason, n)
+        return count
+
+
+def _share(batches: list[Batch], parts: list[tuple[int, list[int]]]) -> list[PoolTransfer]:
+    """One shard's part of the batch: its keys, their pages and their expected priors."""
+    out = []
+    for j, pos in parts:
+        b = batches[j]
+        pages = None if b.pages is None else [b.pages[i] for i in pos]
+        out.append(PoolTransfer(b.pool, [b.keys[i] for i in pos], pages,
+                                [b.priors[i] for i in pos]))
+    return out
+
+
+def _merge_exists(batches: list[Batch], plan: Plan, answers: dict[int, PoolHits]) -> PoolHits:
+    ends = {b.pool: len(b.keys) for b in batches}
+    for s, parts in plan.items():
+        for j, pos in parts:
+            pool = batches[j].pool
+            hits = answers[s].per_pool[pool] if s in answers else 0
+            if hits < len(pos):
+                ends[pool] = min(ends[pool], pos[hits])
+    return PoolHits(ends, min(ends.values()))
+
+
+def _merger(batches: list[Batch], plan: Plan, missing: Any,
+            wrap: Callable[[Batch, list[Any]], Any]) -> Callable[[dict[int, Any]], list[Any]]:
+    """Merge per-shard lists (pages or acks) back into key order; faulted keys get ``missing``."""
+    def merge(answers: dict[int, list[Any]]) -> list[Any]:
+        slots = [[missing] * len(b.keys) for b in batches]
+        for s, answer in answers.items():
+            for (j, pos), part in zip(plan[s], answer):
+                values = part.pages if isinstance(part, PoolTransfer) else part
+                for i, value in zip(pos, values):
+                    slots[j][i] = value
+        return [wrap(b, values) for b, values in zip(batches, slots)]
+    return merge
+
+
+class _FanOut(Pending[T], Generic[T]):
+    """Calls in flight on several shards; merged into one result on first ``result()``."""
+
+    _UNSET = object()
+
+    def __init__(self, refs: dict[int, Any], merge: Callable[[dict[int, Any]], T],
+                 on_fault: Callable[[ShardFault], None], timeout_s: float | None) -> None:
+        self._refs, self._merge, self._on_fault = refs, merge, on_fault
+        self._timeout_s = timeout_s
+        self._faults: list[ShardFault] = []
+        self._value: Any = self._UNSET
+
+    def done(self) -> bool:
+        import ray
+
+        if self._value is not self._UNSET or not self._refs:
+            return True
+        refs = list(self._refs.values())
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+        return len(ready) == len(refs)
+
+    @property
+    def faults(self) -> list[ShardFault]:
+        return list(self._faults)
+
+    def result(self, timeout: float | None = None) -> T:
+        if self._value is self._UNSET:
+            self._value = self._merge(self._collect(self._timeout_s if timeout is None
+                                                    else timeout))
+        return self._value
+
+    def _collect(self, timeout: float | None) -> dict[int, Any]:
+        import ray
+
+        refs = list(self._refs.values())
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=timeout)[0]) if refs else set()
+        answers = {}
+        for shard, ref in self._refs.items():
+            if ref not in ready:
+                self._fault(shard, MissReason.TIMEOUT, f"no answer within {timeout} s")
+                continue
+            try:
+                answers[shard] = ray.get(ref)
+            except ValueError:
+                raise  # bad input is the caller's error, not a cache fault
+            except ray.exceptions.RayError as e:
+                self._fault(shard, MissReason.STORAGE_ERROR, f"{type(e).__name__}: {e}"[:300])
+        return answers
+
+    def _fault(self, shard: int, reason: MissReason, detail: str) -> None:
+        fault = ShardFault(shard, reason, detail)
+        self._faults.append(fault)
+        self._on_fault(fault)

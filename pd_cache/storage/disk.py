@@ -1,0 +1,233 @@
+"""``disk`` backend: one file per record, written atomically; survives a restart.
+
+Layout under ``path``::
+
+    <path>/<fingerprint[:16]>/<name[:2]>/<name hex>.<pool>.rec
+
+File format (little-endian)::
+
+    0   magic b"PDCR" | u32 header length | u64 xxh3_64 of the header bytes   (16 bytes)
+    16  header: msgpack of RecordHeader
+        zero padding; each payload starts at a multiple of 64 (dtype views stay aligned)
+        payloads in header.pools order, C-contiguous bytes
+
+A record is written to ``<file>.tmp``, fsynced, renamed over ``<file>`` and the directory
+fsynced, so a file under its final name is whole once ``batch_set`` acknowledged it. At
+start the index is rebuilt from the headers (leftover ``.tmp`` files, files that do not
+parse or whose size disagrees with their header are deleted); recency is file mtime,
+refreshed on every hit. Payload checksums are verified on every read.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+import torch
+import xxhash
+
+from pd_cache.config import KVLayout, StorageConfig
+from pd_cache.stats import Event
+from pd_cache.storage.local import LocalBackend, Slot
+from pd_cache.storage.record import (
+    DTYPES,
+    PageRecord,
+    RecordHeader,
+    as_bytes,
+    decode_header,
+    encode_header,
+    header_problem,
+)
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"PDCR"
+FRAME = struct.Struct("<4sIQ")
+ALIGN = 64
+SUFFIX = ".rec"
+TMP = ".tmp"
+
+
+class DiskBackend(LocalBackend):
+    """Records as files in a directory, bounded in bytes, LRU, recovered at start."""
+
+    def __init__(self, path: str | os.PathLike[str], layout: KVLayout, capacity_bytes: int, *,
+                 algo: str = "xxh3_128", fsync: bool = True) -> None:
+        super().__init__(layout, capacity_bytes, algo=algo)
+        if not path:
+            raise ValueError(f"path: expected a directory, got {path!r}")
+        # NOTE: one subdirectory per layout, so two models sharing a path never collide.
+        self.root = Path(path) / layout.fingerprint[:16]
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.fsync = fsync
+        self._recover()
+
+    @classmethod
+    def from_config(cls, config: StorageConfig, layout: KVLayout, *, algo: str = "xxh3_128",
+                    shard: int = 0) -> DiskBackend:
+        if not config.disk_path:
+            raise ValueError("storage.disk_path: expected a directory for backend='disk'")
+        return cls(Path(config.disk_path) / f"shard-{shard}", layout,
+                   max(1, config.capacity_bytes // config.num_shards), algo=algo)
+
+    # -- paths ----------------------------------------------------------------------------
+    def _path(self, slot: Slot) -> Path:
+        text = slot[1].hex()
+        return self.root / text[:2] / f"{text}.{slot[0]}{SUFFIX}"
+
+    def _slot_of(self, path: Path) -> Slot | None:
+        stem, _, pool = path.name.removesuffix(SUFFIX).partition(".")
+        try:
+            return pool, bytes.fromhex(stem)
+        except ValueError:
+            return None
+
+    # -- bytes ----------------------------------------------------------------------------
+    def _footprint(self, record: PageRecord) -> int:
+        return _offsets(record.header, len(encode_header(record.header)))[1]
+
+    def _write(self, slot: Slot, record: PageRecord) -> None:
+        path = self._path(slot)
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.with_name(path.name + TMP)
+        try:
+            self._write_file(tmp, record)
+            os.replace(tmp, path)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
+        if self.fsync:
+            _fsync_dir(path.parent)
+
+    def _write_file(self, tmp: Path, record: PageRecord) -> None:
+        header = encode_header(record.header)
+        offsets, _ = _offsets(record.header, len(header))
+        with open(tmp, "wb") as f:
+            f.write(FRAME.pack(MAGIC, len(header), xxhash.xxh3_64_intdigest(header)))
+            f.write(header)
+            for offset, tensor in zip(offsets, record.payloads):
+                f.write(b"\0" * (offset - f.tell()))
+                f.write(memoryview(as_bytes(tensor)))
+            f.flush()
+            if self.fsync:
+                os.fsync(f.fileno())
+
+    def _read(self, slot: Slot) -> PageRecord | None:
+        try:
+            with open(self._path(slot), "rb") as f:
+                buf = np.empty(os.fstat(f.fileno()).st_size, dtype=np.uint8)
+                n = f.readinto(memoryview(buf))
+        except OSError:
+            return None
+        return _parse(buf[:n])
+
+    def _delete(self, slot: Slot) -> None:
+        try:
+            self._path(slot).unlink(missing_ok=True)
+        except OSError as e:
+            log.warning("cannot delete %s: %s", self._path(slot), e)
+
+    def _touched(self, slot: Slot) -> None:
+        try:
+            os.utime(self._path(slot))
+        except OSError:
+            pass
+
+    # -- start-up -------------------------------------------------------------------------
+    def _recover(self) -> None:
+        found = []
+        for path in self.root.glob("*/*"):
+            if path.name.endswith(TMP):  # a write that never completed
+                path.unlink(missing_ok=True)
+            elif path.name.endswith(SUFFIX):
+                found.extend(self._scan_one(path))
+        for _, slot, header, size in sorted(found, key=lambda f: f[0]):
+            self._index_add(slot, header, size)
+        self._evict_until(self.capacity_bytes)
+
+    def _scan_one(self, path: Path) -> list[tuple[float, Slot, RecordHeader, int]]:
+        slot = self._slot_of(path)
+        try:
+            stat = path.stat()
+            framed = _read_header(path) if slot else None
+        except OSError:
+            framed = None
+        problem = "unparsable" if framed is None or slot is None else (
+            header_problem(framed[0], self.layout, self.algo, slot[1], pool=slot[0]))
+        if not problem and _offsets(*framed)[1] != stat.st_size:
+            problem = f"size {stat.st_size} disagrees with its header (torn write?)"
+        if problem:
+            log.warning("dropping %s at start: %s", path, problem)
+            path.unlink(missing_ok=True)
+            self._stats.count(Event.VERIFICATION_FAILED)
+            return []
+        return [(stat.st_mtime, slot, framed[0], stat.st_size)]
+
+
+def _offsets(header: RecordHeader, header_len: int) -> tuple[list[int], int]:
+    """Where each payload starts, and the file's total size."""
+    offsets, end = [], FRAME.size + header_len
+    for entry in header.pools:
+        start = -(-end // ALIGN) * ALIGN
+        offsets.append(start)
+        end = start + _nbytes(entry.dtype, entry.shape)
+    return offsets, end
+
+
+def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+    if dtype not in DTYPES or any(d < 0 for d in shape):
+        raise ValueError(f"bad payload description {dtype}{list(shape)}")
+    return math.prod(shape) * DTYPES[dtype].itemsize
+
+
+def _read_header(path: Path) -> tuple[RecordHeader, int] | None:
+    """The header of a record file and its encoded length; ``None`` if it does not parse."""
+    with open(path, "rb") as f:
+        frame = f.read(FRAME.size)
+        if len(frame) < FRAME.size:
+            return None
+        magic, length, digest = FRAME.unpack(frame)
+        raw = f.read(length)
+    header = _decode(magic, raw, length, digest)
+    return None if header is None else (header, length)
+
+
+def _decode(magic: bytes, raw: bytes, length: int, digest: int) -> RecordHeader | None:
+    if magic != MAGIC or len(raw) != length or xxhash.xxh3_64_intdigest(raw) != digest:
+        return None
+    try:
+        header = decode_header(raw)
+        _offsets(header, length)
+    except ValueError:
+        return None
+    return header
+
+
+def _parse(buf: np.ndarray) -> PageRecord | None:
+    """A record viewing ``buf``; ``None`` if the bytes are not a whole record."""
+    if len(buf) < FRAME.size:
+        return None
+    magic, length, digest = FRAME.unpack_from(buf)
+    header = _decode(magic, buf[FRAME.size:FRAME.size + length].tobytes(), length, digest)
+    if header is None:
+        return None
+    offsets, end = _offsets(header, length)
+    if end != len(buf):
+        return None
+    payloads = []
+    for offset, entry in zip(offsets, header.pools):
+        raw = torch.from_numpy(buf[offset:offset + _nbytes(entry.dtype, entry.shape)])
+        payloads.append(raw.view(DTYPES[entry.dtype]).view(entry.shape))
+    return PageRecord(header, tuple(payloads))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,203 @@
+"""The logic every in-process backend shares: index, LRU bound, verification, counting.
+
+A subclass only says where a record's bytes live (:meth:`LocalBackend._write`,
+``_read``, ``_delete``, ``_footprint``). The index maps ``(pool, name)`` to the record's
+header and size in recency order (least recent first), so ``exists`` and the chain check
+never touch the bytes, and eviction pops from the front.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from abc import abstractmethod
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from pd_cache.config import KVLayout
+from pd_cache.hashing import DIGEST_SIZES
+from pd_cache.stats import Event, MissReason, Stats
+from pd_cache.storage.base import ExtraInfo, PoolHits, PoolTransfer, StorageBackend, Usage
+from pd_cache.storage.batch import check_batch
+from pd_cache.storage.record import PageRecord, RecordHeader, verify
+
+log = logging.getLogger(__name__)
+
+Slot = tuple[str, bytes]  # (pool, page name)
+# NOTE: remembering recently evicted names lets a miss say "evicted" rather than
+# "not stored"; bounded so it cannot grow with the key space.
+GHOSTS = 65536
+
+
+class Entry(NamedTuple):
+    header: RecordHeader
+    nbytes: int
+
+
+class LocalBackend(StorageBackend):
+    """A bounded, verified, LRU store of page records for one layout and hash algo."""
+
+    def __init__(self, layout: KVLayout, capacity_bytes: int, *,
+                 algo: str = "xxh3_128") -> None:
+        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) \
+                or capacity_bytes < 1:
+            raise ValueError(f"capacity_bytes: expected an int >= 1, got {capacity_bytes!r}")
+        if algo not in DIGEST_SIZES:
+            raise ValueError(f"algo: unknown hash algorithm {algo!r}")
+        self.layout, self.algo, self.capacity_bytes = layout, algo, capacity_bytes
+        self._index: OrderedDict[Slot, Entry] = OrderedDict()
+        self._ghosts: OrderedDict[Slot, None] = OrderedDict()
+        self._used = 0
+        self._stats = Stats()
+        self._lock = threading.RLock()
+
+    # -- where the bytes live -----------------------------------------------------------
+    @abstractmethod
+    def _write(self, slot: Slot, record: PageRecord) -> None:
+        """Keep a private copy of ``record`` (raise ``OSError`` if it cannot)."""
+
+    @abstractmethod
+    def _read(self, slot: Slot) -> PageRecord | None:
+        """The stored record, or ``None`` if its bytes are unreadable."""
+
+    @abstractmethod
+    def _delete(self, slot: Slot) -> None: ...
+
+    @abstractmethod
+    def _footprint(self, record: PageRecord) -> int:
+        """Bytes ``record`` occupies once stored (what the capacity bounds)."""
+
+    def _touched(self, slot: Slot) -> None:
+        """A hit just made ``slot`` most recent (the disk backend persists that)."""
+
+    # -- the interface --------------------------------------------------------------------
+    def batch_exists_v2(self, transfers: Sequence[PoolTransfer],
+                        extra_info: ExtraInfo | None = None) -> PoolHits:
+        batches = check_batch(transfers, extra_info, self.algo, with_pages=False)
+        if not batches:
+            raise ValueError("transfers: name at least one pool")
+        with self._lock:
+            per_pool = {b.pool: self._prefix(b.pool, b.keys, b.priors) for b in batches}
+        return PoolHits(per_pool, min(per_pool.values()))
+
+    def batch_get_v2(self, transfers: Sequence[PoolTransfer],
+                     extra_info: ExtraInfo | None = None) -> list[PoolTransfer]:
+        batches = check_batch(transfers, extra_info, self.algo, with_pages=False)
+        rid = extra_info.request_id if extra_info else None
+        with self._lock:
+            return [PoolTransfer(b.pool, b.keys, [self._fetch((b.pool, k), p, rid)
+                                                  for k, p in zip(b.keys, b.priors)])
+                    for b in batches]
+
+    def batch_set_v2(self, transfers: Sequence[PoolTransfer],
+                     extra_info: ExtraInfo | None = None) -> list[list[bool]]:
+        batches = check_batch(transfers, extra_info, self.algo, with_pages=True)
+        for b in batches:
+            self._check_fits(b.pages or [])
+        with self._lock:
+            return [[self._put((b.pool, k), rec, p) for k, rec, p in
+                     zip(b.keys, b.pages or [], b.priors)] for b in batches]
+
+    def stats(self) -> dict[str, int]:
+        return self._stats.snapshot()
+
+    def usage(self) -> Usage:
+        with self._lock:
+            return Usage(len(self._index), self._used, self.capacity_bytes)
+
+    # -- lookups --------------------------------------------------------------------------
+    def _prefix(self, pool: str, keys: list[bytes], priors: list[bytes | None]) -> int:
+        for i, (key, prior) in enumerate(zip(keys, priors)):
+            reason = self._absent((pool, key), prior)
+            if reason is not None:
+                self._stats.count(Event.MISS, reason)
+                return i
+        return len(keys)
+
+    def _absent(self, slot: Slot, prior: bytes | None) -> MissReason | None:
+        """Why ``slot`` cannot serve a page following ``prior`` (``None``: it can)."""
+        entry = self._index.get(slot)
+        if entry is None:
+            return MissReason.EVICTED if slot in self._ghosts else MissReason.NOT_STORED
+        if prior is not None and entry.header.prior != prior:
+            # NOTE: the record is fine (its name hashes from its own prior); the caller's
+            # chain does not lead to it, e.g. the keys of another namespace.
+            self._stats.count(Event.REFUSED, MissReason.NAMESPACE_REFUSED)
+            return MissReason.NAMESPACE_REFUSED
+        return None
+
+    def _fetch(self, slot: Slot, prior: bytes | None, rid: str | None) -> PageRecord | None:
+        reason = self._absent(slot, prior)
+        if reason is not None:
+            self._stats.count(Event.MISS, reason)
+            return None
+        record = self._read(slot)
+        problem = "unreadable" if record is None else verify(
+            record, self.layout, self.algo, name=slot[1], prior=prior, pool=slot[0])
+        if problem:
+            log.warning("dropping L3 record %s/%s (request %s): %s", slot[0], slot[1].hex(),
+                        rid, problem)
+            self._remove(slot)
+            self._stats.count(Event.VERIFICATION_FAILED)
+            self._stats.count(Event.MISS, MissReason.VERIFICATION_FAILED)
+            return None
+        self._index.move_to_end(slot)
+        self._touched(slot)
+        self._stats.count(Event.HIT)
+        return record
+
+    # -- writes ---------------------------------------------------------------------------
+    def _check_fits(self, records: list[PageRecord]) -> None:
+        for i, rec in enumerate(records):
+            size = self._footprint(rec)
+            if size > self.capacity_bytes:
+                raise ValueError(f"pages[{i}]: a record of {size} bytes exceeds "
+                                 f"capacity_bytes={self.capacity_bytes}")
+
+    def _put(self, slot: Slot, record: PageRecord, prior: bytes | None) -> bool:
+        if prior is not None and record.header.prior != prior:
+            self._stats.count(Event.REFUSED, MissReason.NAMESPACE_REFUSED)
+            return False
+        problem = verify(record, self.layout, self.algo, name=slot[1], pool=slot[0])
+        if problem:
+            log.warning("refusing L3 record %s/%s: %s", slot[0], slot[1].hex(), problem)
+            self._stats.count(Event.REFUSED, MissReason.VERIFICATION_FAILED)
+            return False
+        if slot in self._index:  # names are content addresses: same name, same page
+            self._index.move_to_end(slot)
+            return True
+        return self._admit(slot, record)
+
+    def _admit(self, slot: Slot, record: PageRecord) -> bool:
+        size = self._footprint(record)
+        self._evict_until(self.capacity_bytes - size)
+        try:
+            self._write(slot, record)
+        except OSError as e:
+            log.warning("cannot store L3 record %s/%s: %s", slot[0], slot[1].hex(), e)
+            self._stats.count(Event.REFUSED, MissReason.STORAGE_ERROR)
+            return False
+        self._index_add(slot, record.header, size)
+        self._stats.count(Event.STORED)
+        return True
+
+    def _index_add(self, slot: Slot, header: RecordHeader, size: int) -> None:
+        self._index[slot] = Entry(header, size)
+        self._used += size
+        self._ghosts.pop(slot, None)
+
+    def _evict_until(self, budget: int) -> None:
+        while self._used > budget and self._index:
+            slot = next(iter(self._index))
+            self._remove(slot)
+            self._ghosts[slot] = None
+            if len(self._ghosts) > GHOSTS:
+                self._ghosts.popitem(last=False)
+            self._stats.count(Event.EVICTED)
+
+    def _remove(self, slot: Slot) -> None:
+        entry = self._index.pop(slot, None)
+        if entry is not None:
+            self._used -= entry.nbytes
+        self._delete(slot)

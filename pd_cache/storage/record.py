@@ -1,0 +1,241 @@
+"""Page records: what L3 stores under one page name.
+
+    record = RecordHeader (msgspec) + one payload tensor per pool, in ``header.pools`` order
+
+The header carries the page's identity (layout fingerprint, name, prior name, token ids,
+hash algo) and, per pool, its dtype, shape and an xxh3-64 checksum of its bytes. A reader
+checks a record against what it asked for with :func:`verify` before using it; since
+``name == H(prior || u32le(tokens))`` is recomputed there, a record filed under the wrong
+key (another namespace's page, another position in the chain) cannot pass.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+import xxhash
+
+from pd_cache.config import KVLayout
+from pd_cache.hashing import DIGEST_SIZES, page_hashes, token_buffer
+
+RECORD_VERSION = 1
+KV_POOL = "kv"
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+    "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8,
+}
+# NOTE: pool names end up in file names (disk backend), so they stay plain identifiers.
+_POOL_NAME = re.compile(r"[A-Za-z0-9_]{1,64}")
+
+
+class PoolEntry(msgspec.Struct, frozen=True, gc=False):
+    """One pool's payload as the header describes it."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    checksum: int  # xxh3_64 of the payload's bytes (C order)
+
+
+class RecordHeader(msgspec.Struct, frozen=True, gc=False):
+    version: int
+    fingerprint: str
+    algo: str
+    name: bytes
+    prior: bytes
+    tokens: tuple[int, ...]
+    pools: tuple[PoolEntry, ...]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class PageRecord:
+    """A header plus its payload tensors (CPU, one per ``header.pools`` entry).
+
+    Records handed out by a backend or received through Ray may be views of memory the
+    store or the object store owns: treat payloads as read-only and copy them into your
+    own pool. Pickling sends payloads as ``uint8`` numpy views, which Ray moves zero-copy.
+    """
+
+    header: RecordHeader
+    payloads: tuple[torch.Tensor, ...]
+
+    @property
+    def name(self) -> bytes:
+        return self.header.name
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.payloads)
+
+    def payload(self, pool: str = KV_POOL) -> torch.Tensor:
+        for entry, tensor in zip(self.header.pools, self.payloads):
+            if entry.name == pool:
+                return tensor
+        raise KeyError(f"pool {pool!r} not in record (has {self.pool_names})")
+
+    @property
+    def pool_names(self) -> list[str]:
+        return [e.name for e in self.header.pools]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuild, (self.header, tuple(as_bytes(t) for t in self.payloads))
+
+
+def _rebuild(header: RecordHeader, arrays: tuple[np.ndarray, ...]) -> PageRecord:
+    with warnings.catch_warnings():
+        # NOTE: arrays from the object store are read-only; torch warns but shares them.
+        warnings.simplefilter("ignore", UserWarning)
+        raw = [torch.from_numpy(a) for a in arrays]
+    return PageRecord(header, tuple(_typed(t, e) for t, e in zip(raw, header.pools)))
+
+
+def _typed(raw: torch.Tensor, entry: PoolEntry) -> torch.Tensor:
+    try:
+        return raw.view(DTYPES[entry.dtype]).view(entry.shape)
+    except (KeyError, RuntimeError):
+        return raw  # a header that disagrees with its bytes; verify() reports it
+
+
+def as_bytes(tensor: torch.Tensor) -> np.ndarray:
+    """The tensor's bytes as a flat ``uint8`` numpy view (a copy only if not contiguous)."""
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy()
+
+
+def checksum(tensor: torch.Tensor) -> int:
+    return xxhash.xxh3_64_intdigest(memoryview(as_bytes(tensor)))
+
+
+def check_pool_name(pool: Any, field: str = "pool") -> str:
+    if not isinstance(pool, str) or not _POOL_NAME.fullmatch(pool):
+        raise ValueError(f"{field}: expected 1-64 characters of [A-Za-z0-9_], got {pool!r}")
+    return pool
+
+
+def make_record(name: bytes, prior: bytes, tokens: Any, pools: Mapping[str, torch.Tensor], *,
+                fingerprint: str, algo: str = "xxh3_128") -> PageRecord:
+    """Build the record of one page; checksums are computed here, from the payloads.
+
+    Payloads are referenced, not copied: do not modify them before they are stored.
+    """
+    size = DIGEST_SIZES.get(algo)
+    if size is None:
+        raise ValueError(f"algo: unknown hash algorithm {algo!r}")
+    for field, value in (("name", name), ("prior", prior)):
+        if not isinstance(value, bytes) or len(value) != size:
+            raise ValueError(f"{field}: expected {size} bytes of {algo}, got {value!r}")
+    token_ids = tuple(int(t) for t in token_buffer(tokens))
+    if not token_ids:
+        raise ValueError("tokens: a page has at least one token")
+    if not pools:
+        raise ValueError("pools: a record has at least one payload")
+    entries, payloads = [], []
+    for pool, tensor in pools.items():
+        check_pool_name(pool, "pools")
+        tensor = _check_tensor(tensor, f"pools[{pool!r}]")
+        entries.append(PoolEntry(pool, _dtype_name(tensor), tuple(tensor.shape), checksum(tensor)))
+        payloads.append(tensor)
+    header = RecordHeader(RECORD_VERSION, fingerprint, algo, name, prior, token_ids,
+                          tuple(entries))
+    return PageRecord(header, tuple(payloads))
+
+
+def _check_tensor(tensor: Any, field: str) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{field}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        raise ValueError(f"{field}: expected a CPU tensor, got device {tensor.device}")
+    if _dtype_name(tensor) not in DTYPES:
+        raise ValueError(f"{field}: dtype {tensor.dtype} is not one of {sorted(DTYPES)}")
+    return tensor.detach().contiguous()
+
+
+def _dtype_name(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def payload_problem(record: PageRecord) -> str | None:
+    """What is structurally wrong between a record's payloads and its header, if anything."""
+    entries = record.header.pools
+    if len(entries) != len(record.payloads):
+        return f"{len(record.payloads)} payloads for {len(entries)} pool entries"
+    if len({e.name for e in entries}) != len(entries):
+        return "duplicate pool names"
+    for entry, tensor in zip(entries, record.payloads):
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
+            return f"pool {entry.name!r}: payload is not a CPU tensor"
+        if _dtype_name(tensor) != entry.dtype:
+            return f"pool {entry.name!r}: payload dtype {tensor.dtype}, header says {entry.dtype}"
+        if tuple(tensor.shape) != tuple(entry.shape):
+            return (f"pool {entry.name!r}: payload shape {tuple(tensor.shape)}, header says "
+                    f"{tuple(entry.shape)}")
+    return None
+
+
+def verify(record: PageRecord, layout: KVLayout, algo: str, *, name: bytes,
+           prior: bytes | None = None, pool: str | None = None) -> str | None:
+    """Why ``record`` is not the page ``name`` of ``layout`` (``None`` when it is).
+
+    Checks, cheapest first: version, fingerprint, algo, name, expected ``prior`` (when
+    known), the requested ``pool``, the ``kv`` pool against the layout, payloads against
+    the header, ``name == H(prior || tokens)``, then every payload checksum.
+    """
+    h = record.header
+    problem = header_problem(h, layout, algo, name, prior, pool) or payload_problem(record)
+    if problem:
+        return problem
+    if page_hashes(list(h.tokens), len(h.tokens), prior=h.prior, algo=h.algo) != [name]:
+        return "name is not H(prior || tokens)"
+    for entry, tensor in zip(h.pools, record.payloads):
+        if checksum(tensor) != entry.checksum:
+            return f"pool {entry.name!r}: checksum mismatch"
+    return None
+
+
+def header_problem(h: RecordHeader, layout: KVLayout, algo: str, name: bytes,
+                   prior: bytes | None = None, pool: str | None = None) -> str | None:
+    """The part of :func:`verify` that needs only the header (cheap; no payload bytes)."""
+    if h.version != RECORD_VERSION:
+        return f"record version {h.version}, expected {RECORD_VERSION}"
+    if h.fingerprint != layout.fingerprint:
+        return f"layout fingerprint {h.fingerprint}, expected {layout.fingerprint}"
+    if h.algo != algo or len(h.prior) != DIGEST_SIZES[algo]:
+        return f"algo {h.algo!r}, expected {algo!r}"
+    if h.name != name:
+        return f"record names {h.name.hex()}, asked for {name.hex()}"
+    if prior is not None and h.prior != prior:
+        return f"prior {h.prior.hex()}, expected {prior.hex()}"
+    if len(h.tokens) != layout.page_size or not all(0 <= t < 2**32 for t in h.tokens):
+        return f"{len(h.tokens)} token ids, expected {layout.page_size} in [0, 2**32)"
+    names = [e.name for e in h.pools]
+    if pool is not None and pool not in names:
+        return f"pool {pool!r} not in record (has {names})"
+    return _kv_problem(h, layout)
+
+
+def _kv_problem(h: RecordHeader, layout: KVLayout) -> str | None:
+    for entry in h.pools:
+        if entry.name == KV_POOL and (entry.dtype != layout.kv_dtype
+                                      or tuple(entry.shape) != layout.page_shape):
+            return (f"kv pool {entry.dtype}{list(entry.shape)}, layout says "
+                    f"{layout.kv_dtype}{list(layout.page_shape)}")
+    return None
+
+
+def encode_header(header: RecordHeader) -> bytes:
+    return msgspec.msgpack.encode(header)
+
+
+def decode_header(raw: bytes) -> RecordHeader:
+    """Parse a header; a ``ValueError`` for bytes that are not one."""
+    try:
+        return msgspec.msgpack.decode(raw, type=RecordHeader)
+    except msgspec.DecodeError as e:
+        raise ValueError(f"record header: {e}") from None

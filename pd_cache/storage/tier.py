@@ -1,0 +1,97 @@
+"""``StorageTier``: one L3 shard, a plain class wrapping one backend, and its Ray actor.
+
+The logic lives in the backend; the actor only hosts it. A restarted actor reruns
+``__init__``: a ``memory`` shard comes back empty, a ``disk`` shard rebuilds its index
+from its directory and serves everything it had acknowledged.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from pd_cache.config import PDCacheConfig
+from pd_cache.storage import make_backend
+from pd_cache.storage.base import ExtraInfo, PoolHits, PoolTransfer, Usage
+
+# NOTE: pages leave the actor as uint8 numpy views (see PageRecord.__reduce__), which Ray
+# moves zero-copy; the variable extends that to any bare tensor an actor returns.
+ACTOR_ENV = {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}
+
+
+class StorageTier:
+    """One shard of L3: the backend ``config.storage.backend`` names, for ``config.layout``."""
+
+    def __init__(self, config: PDCacheConfig, shard: int = 0) -> None:
+        if not isinstance(config, PDCacheConfig):
+            raise ValueError(f"config: expected PDCacheConfig, got {type(config).__name__}")
+        if not 0 <= shard < config.storage.num_shards:
+            raise ValueError(f"shard: expected 0 <= shard < {config.storage.num_shards}, "
+                             f"got {shard!r}")
+        self.shard = shard
+        self.backend = make_backend(config.storage, config.layout,
+                                    algo=config.cache.hash_algo, shard=shard)
+
+    def batch_exists_v2(self, transfers: Sequence[PoolTransfer],
+                        extra_info: ExtraInfo | None = None) -> PoolHits:
+        return self.backend.batch_exists_v2(transfers, extra_info)
+
+    def batch_get_v2(self, transfers: Sequence[PoolTransfer],
+                     extra_info: ExtraInfo | None = None) -> list[PoolTransfer]:
+        return self.backend.batch_get_v2(transfers, extra_info)
+
+    def batch_set_v2(self, transfers: Sequence[PoolTransfer],
+                     extra_info: ExtraInfo | None = None) -> list[list[bool]]:
+        return self.backend.batch_set_v2(transfers, extra_info)
+
+    def stats(self) -> dict[str, int]:
+        return self.backend.stats()
+
+    def usage(self) -> Usage:
+        return self.backend.usage()
+
+    def ping(self) -> int:
+        """The hosting process id (changes when the actor restarts)."""
+        return os.getpid()
+
+
+@functools.cache
+def _actor_class() -> Any:
+    import ray
+
+    return ray.remote(StorageTier)
+
+
+def storage_actor(config: PDCacheConfig, name: str | None = None, *, shard: int = 0,
+                  detached: bool = False, namespace: str | None = None,
+                  max_restarts: int = 3, max_task_retries: int = 1,
+                  num_cpus: float = 0) -> Any:
+    """A ``StorageTier`` actor handle for ``shard``.
+
+    Named actors are fetched if they exist (``get_if_exists``), so every process that
+    asks for ``name`` shares one shard; ``detached`` outlives the job that created it
+    (needs a name). ``max_restarts`` / ``max_task_retries`` make a killed shard come back
+    and rerun interrupted calls; batch calls are idempotent, so a retry is safe.
+    """
+    if detached and not name:
+        raise ValueError("name: a detached storage actor needs a name")
+    options: dict[str, Any] = {
+        "max_restarts": max_restarts, "max_task_retries": max_task_retries,
+        "num_cpus": num_cpus, "runtime_env": {"env_vars": dict(ACTOR_ENV)},
+    }
+    if name:
+        options.update(name=name, get_if_exists=True)
+        if namespace:
+            options["namespace"] = namespace
+    if detached:
+        options["lifetime"] = "detached"
+    return _actor_class().options(**options).remote(config, shard)
+
+
+def storage_actors(config: PDCacheConfig, name: str | None = None, *, detached: bool = False,
+                   **options: Any) -> list[Any]:
+    """One actor per shard (``config.storage.num_shards``); shard ``i`` is ``{name}-{i}``."""
+    return [storage_actor(config, f"{name}-{i}" if name else None, shard=i, detached=detached,
+                          **options) for i in range(config.storage.num_shards)]

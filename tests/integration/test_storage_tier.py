@@ -1,0 +1,258 @@
+"""StorageTier actors and the sharded client on the session's local Ray cluster."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from pd_cache.config import CacheConfig, ModelConfig, PDCacheConfig, StorageConfig
+from pd_cache.stats import MissReason
+from pd_cache.storage import ExtraInfo, PageRecord, PoolTransfer, usable_prefix
+from pd_cache.storage.client import StorageClient
+from pd_cache.storage.disk import DiskBackend
+from pd_cache.storage.tier import storage_actor, storage_actors
+from tests.unit.test_storage_backends import Chain, assert_same
+
+ray = pytest.importorskip("ray")
+
+DTYPES = ["float32", "bfloat16", "float16"]
+
+
+def config_for(kv_dtype: str = "float32", **storage: Any) -> PDCacheConfig:
+    storage.setdefault("num_shards", 2)
+    return PDCacheConfig(model=ModelConfig.preset("tiny", kv_dtype=kv_dtype),
+                         cache=CacheConfig(page_size=4), storage=StorageConfig(**storage))
+
+
+def kill_all(handles: list[Any]) -> None:
+    for h in handles:
+        ray.kill(h)
+
+
+@pytest.fixture(scope="module")
+def shards(ray_cluster: Any) -> Iterator[Callable[[str], list[Any]]]:
+    """Two memory tier actors per KV dtype, created on first use, killed at the end."""
+    made: dict[str, list[Any]] = {}
+
+    def get(kv_dtype: str) -> list[Any]:
+        if kv_dtype not in made:
+            made[kv_dtype] = storage_actors(config_for(kv_dtype))
+            ray.get([h.ping.remote() for h in made[kv_dtype]])
+        return made[kv_dtype]
+
+    yield get
+    for handles in made.values():
+        kill_all(handles)
+
+
+@pytest.mark.parametrize("num_shards", [1, 2])
+@pytest.mark.parametrize("kv_dtype", DTYPES)
+def test_round_trip_through_actors(shards: Callable[[str], list[Any]], kv_dtype: str,
+                                   num_shards: int) -> None:
+    handles = shards(kv_dtype)[:num_shards]
+    client = StorageClient(handles)
+    chain = Chain(config_for(kv_dtype).layout, 12, seed=num_shards)
+    before = [h.usage.remote() for h in handles]
+    assert client.batch_set(chain.names, chain.records) == [True] * 12
+    assert client.batch_exists(chain.names) == 12
+    got = client.batch_get([n.hex() for n in chain.names])
+    for g, want in zip(got, chain.records):
+        assert_same(g, want)
+    if num_shards == 2:  # rendezvous spread the pages over both shards
+        added = [after.records - b.records for after, b in
+                 zip(ray.get([h.usage.remote() for h in handles]), ray.get(before))]
+        assert sum(added) == 12 and min(added) > 0
+        assert added[1] == sum(client.shard_of(n) == 1 for n in chain.names)
+
+
+def test_v2_pools_over_shards(shards: Callable[[str], list[Any]]) -> None:
+    client = StorageClient(shards("float32"))
+    chain = Chain(config_for().layout, 8, seed=20, state_shape=(4, 4))
+    acks = client.batch_set_v2([PoolTransfer("kv", chain.names, chain.records),
+                                PoolTransfer("state", chain.names[:5], chain.states[:5])])
+    assert acks == [[True] * 8, [True] * 5]
+    hits = client.batch_exists_v2([PoolTransfer("kv", chain.names),
+                                   PoolTransfer("state", chain.names)])
+    assert hits.per_pool == {"kv": 8, "state": 5} and hits.usable == 5
+    got = client.batch_get_v2([PoolTransfer("kv", chain.names),
+                               PoolTransfer("state", chain.names)])
+    assert usable_prefix(got) == 5
+    for i in range(5):
+        assert_same(got[1].pages[i], chain.states[i])
+
+
+def test_exists_is_the_consecutive_prefix_across_shards(
+        shards: Callable[[str], list[Any]]) -> None:
+    client = StorageClient(shards("float32"))
+    chain = Chain(config_for().layout, 16, seed=21)
+    owners = [client.shard_of(n) for n in chain.names]
+    assert len(set(owners)) == 2
+    gap = 9
+    stored = [i for i in range(16) if i != gap]
+    client.batch_set([chain.names[i] for i in stored], [chain.records[i] for i in stored])
+    assert client.batch_exists(chain.names) == gap
+    assert client.batch_exists(chain.names[gap + 1:]) == 16 - gap - 1
+    pending = client.submit_get(chain.names)  # async: collect later
+    got = pending.result()
+    assert [g is not None for g in got] == [i != gap for i in range(16)]
+    assert pending.faults == []
+
+
+def test_prefix_keys_through_client(shards: Callable[[str], list[Any]]) -> None:
+    client = StorageClient(shards("float32"))
+    chain = Chain(config_for().layout, 9, seed=22)
+    other = Chain(config_for().layout, 1, extra_key="tenant-b")
+    refused_before = client.stats().get("refused/namespace_refused", 0)
+    # []: the chain must start at this namespace's seed
+    assert client.batch_set(chain.names[:3], chain.records[:3],
+                            ExtraInfo(prefix_keys=[], namespace_seed=other.seed)) == [
+        False, True, True]
+    prefix: list[bytes] = []
+    handed = []
+    for lo in range(0, 9, 3):
+        batch = chain.names[lo:lo + 3]
+        info = ExtraInfo(prefix_keys=prefix, namespace_seed=chain.seed)
+        assert client.batch_set(batch, chain.records[lo:lo + 3], info) == [True] * 3
+        assert client.batch_exists(batch, info) == 3
+        handed.append((prefix, list(prefix)))
+        prefix = prefix + batch
+    assert all(given == copy for given, copy in handed)
+    # the chain check holds across shards although no shard sees consecutive keys
+    skip = [chain.names[i] for i in (0, 1, 3, 4)]
+    assert client.batch_exists(skip, ExtraInfo(prefix_keys=[])) == 2
+    assert client.batch_exists(skip, None) == 4  # feature off
+    assert client.batch_get(chain.names[3:6], ExtraInfo(prefix_keys=chain.names[:1]))[0] is None
+    assert client.stats()["refused/namespace_refused"] - refused_before == 3
+
+
+def test_bad_input_through_client_stores_nothing(shards: Callable[[str], list[Any]]) -> None:
+    handles = shards("float32")
+    client = StorageClient(handles)
+    chain = Chain(config_for().layout, 6, seed=23)
+    before = client.usage()
+    bad = PageRecord(chain.records[5].header, (chain.records[5].payload().reshape(-1),))
+    with pytest.raises(ValueError, match=r"pages\[5\]: pool 'kv': payload shape"):
+        client.batch_set(chain.names, chain.records[:5] + [bad])
+    with pytest.raises(ValueError, match="5 records for 6 keys"):
+        client.batch_set(chain.names, chain.records[:5])
+    with pytest.raises(ValueError, match=r"keys\[1\]: page name: not a hex"):
+        client.batch_exists([chain.names[0], "not hex"])
+    assert client.usage() == before
+    assert client.batch_exists(chain.names) == 0
+
+
+def test_other_layout_is_refused_by_the_tier(shards: Callable[[str], list[Any]]) -> None:
+    client = StorageClient(shards("float32"))
+    other = Chain(config_for("float16").layout, 4, seed=24)
+    assert client.batch_set(other.names, other.records) == [False] * 4
+    assert client.batch_exists(other.names) == 0
+
+
+def test_dead_shard_is_a_miss_not_a_hang(ray_cluster: Any) -> None:
+    client = StorageClient.from_config(config_for(), timeout_s=20)
+    handles = client.handles
+    try:
+        chain = Chain(config_for().layout, 10, seed=25)
+        assert client.batch_set(chain.names, chain.records) == [True] * 10
+        ray.kill(handles[1], no_restart=True)
+        owners = [client.shard_of(n) for n in chain.names]
+        start = time.monotonic()
+        pending = client.submit_get(chain.names)
+        got = pending.result()
+        assert [g is not None for g in got] == [o == 0 for o in owners]
+        assert [f.reason for f in pending.faults] == [MissReason.STORAGE_ERROR]
+        assert client.batch_exists(chain.names) == owners.index(1)
+        assert client.batch_set(chain.names, chain.records) == [o == 0 for o in owners]
+        assert time.monotonic() - start < 15
+        stats = client.stats()  # the dead shard's counts are gone; the client's remain
+        assert stats["miss/storage_error"] == owners.count(1) + 1
+        assert stats["refused/storage_error"] == owners.count(1)
+    finally:
+        kill_all(handles)
+
+
+def test_slow_shard_times_out(shards: Callable[[str], list[Any]]) -> None:
+    client = StorageClient(shards("float32"))
+    chain = Chain(config_for().layout, 400, seed=26)
+    busy = client.submit_set(chain.names, chain.records)  # queued ahead of the next call
+    pending = client.submit_exists(chain.names)
+    assert pending.result(timeout=0) == 0
+    assert {f.reason for f in pending.faults} == {MissReason.TIMEOUT}
+    assert busy.result() == [True] * 400
+    assert client.stats()["miss/timeout"] >= 1
+
+
+def test_named_detached_actor_is_shared(ray_cluster: Any) -> None:
+    config = config_for(num_shards=1)
+    first = storage_actor(config, "pdc-test-l3", detached=True)
+    try:
+        second = storage_actor(config, "pdc-test-l3", detached=True)
+        assert ray.get(first.ping.remote()) == ray.get(second.ping.remote())
+        with pytest.raises(ValueError, match="detached"):
+            storage_actor(config, None, detached=True)
+    finally:
+        ray.kill(first)
+
+
+def test_disk_tier_restart_mid_stream(ray_cluster: Any, tmp_path: Path) -> None:
+    config = config_for(backend="disk", disk_path=str(tmp_path), num_shards=1)
+    layout = config.layout
+    handle = storage_actor(config, max_restarts=2, max_task_retries=0)
+    try:
+        client = StorageClient([handle], timeout_s=60)
+        pid = ray.get(handle.ping.remote())
+        chain = Chain(layout, 101, seed=27)
+        torn = plant_torn_record(tmp_path / "shard-0", layout, chain, 100)
+        stream = [client.submit_set(chain.names[i:i + 4], chain.records[i:i + 4])
+                  for i in range(0, 100, 4)]
+        while sum(p.done() for p in stream) < 5:
+            time.sleep(0.005)
+        ray.kill(handle, no_restart=False)
+        acks = [a for p in stream for a in p.result()]
+        acked = [i for i, a in enumerate(acks) if a]
+        assert 20 <= len(acked) < 100  # some writes acknowledged, some cut off
+        assert wait_restarted(handle, pid)
+        got = client.batch_get(chain.names)
+        for i in acked:
+            assert_same(got[i], chain.records[i])
+        for i, g in enumerate(got[:100]):  # anything else served must be the real page
+            assert g is None or bits_equal(g, chain.records[i])
+        assert got[100] is None and not torn.exists()
+        assert not list(tmp_path.rglob("*.tmp"))
+        assert client.stats()["verification_failed/"] >= 1  # the torn file, at start
+    finally:
+        ray.kill(handle)
+
+
+def plant_torn_record(shard_dir: Path, layout: Any, chain: Chain, i: int) -> Path:
+    """A record file cut short (as a lying disk would leave it) and a temp file."""
+    scratch = DiskBackend(shard_dir.parent / "scratch", layout, 1 << 20)
+    scratch.batch_set(chain.names[i:i + 1], chain.records[i:i + 1])
+    src = scratch._path(("kv", chain.names[i]))
+    dst = shard_dir / src.relative_to(scratch.root.parent)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    dst.write_bytes(src.read_bytes()[:-100])
+    dst.with_name(dst.name.replace(".rec", ".other.rec.tmp")).write_bytes(b"partial")
+    return dst
+
+
+def wait_restarted(handle: Any, old_pid: int, deadline_s: float = 60) -> bool:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        try:
+            if ray.get(handle.ping.remote(), timeout=10) != old_pid:
+                return True
+        except ray.exceptions.RayError:
+            time.sleep(0.2)
+    return False
+
+
+def bits_equal(got: PageRecord, want: PageRecord) -> bool:
+    return got.header == want.header and all(
+        torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        for a, b in zip(got.payloads, want.payloads))
