@@ -27,12 +27,12 @@ def _check(ok: bool, field_name: str, value: Any, expected: str) -> None:
         raise ValueError(f"{field_name}: expected {expected}, got {value!r}")
 
 
-def _positive_int(field_name: str, value: Any) -> None:
+def check_positive_int(field_name: str, value: Any) -> None:
     _check(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
            field_name, value, "an int >= 1")
 
 
-def _non_negative(field_name: str, value: Any) -> None:
+def check_non_negative(field_name: str, value: Any) -> None:
     _check(isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0,
            field_name, value, "a number >= 0")
 
@@ -63,7 +63,7 @@ class ModelConfig:
                "a non-empty str")
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                      "head_dim", "intermediate_size", "max_context"):
-            _positive_int(f"model.{name}", getattr(self, name))
+            check_positive_int(f"model.{name}", getattr(self, name))
         _check(self.num_heads % self.num_kv_heads == 0, "model.num_kv_heads",
                self.num_kv_heads, f"a divisor of num_heads={self.num_heads}")
         _check(self.head_dim % 2 == 0, "model.head_dim", self.head_dim, "an even number")
@@ -105,7 +105,7 @@ class KVLayout:
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "page_size", "num_kv_heads", "head_dim", "tp_size"):
-            _positive_int(f"layout.{name}", getattr(self, name))
+            check_positive_int(f"layout.{name}", getattr(self, name))
         _check(isinstance(self.tp_rank, int) and 0 <= self.tp_rank < self.tp_size,
                "layout.tp_rank", self.tp_rank, f"an int in [0, {self.tp_size})")
         _one_of("layout.kv_dtype", self.kv_dtype, KV_DTYPES)
@@ -132,10 +132,10 @@ class CacheConfig:
     write_policy: str = "write_through"
 
     def __post_init__(self) -> None:
-        _positive_int("cache.page_size", self.page_size)
+        check_positive_int("cache.page_size", self.page_size)
         _one_of("cache.hash_algo", self.hash_algo, tuple(DIGEST_SIZES))
-        _non_negative("cache.device_pages", self.device_pages)
-        _non_negative("cache.host_pages", self.host_pages)
+        check_non_negative("cache.device_pages", self.device_pages)
+        check_non_negative("cache.host_pages", self.host_pages)
         _one_of("cache.write_policy", self.write_policy, WRITE_POLICIES)
 
 
@@ -158,15 +158,15 @@ class StorageConfig:
     def __post_init__(self) -> None:
         _check(self.backend in ("memory", "disk"), "storage.backend", self.backend,
                "one of ['disk', 'memory']")
-        _positive_int("storage.capacity_bytes", self.capacity_bytes)
+        check_positive_int("storage.capacity_bytes", self.capacity_bytes)
         _check(self.backend != "disk" or bool(self.disk_path), "storage.disk_path",
                self.disk_path, "a directory when backend='disk'")
-        _positive_int("storage.num_shards", self.num_shards)
-        _positive_int("storage.batch_pages", self.batch_pages)
+        check_positive_int("storage.num_shards", self.num_shards)
+        check_positive_int("storage.batch_pages", self.batch_pages)
         _one_of("storage.prefetch_policy", self.prefetch_policy, PREFETCH_POLICIES)
         for name in ("prefetch_timeout_base_s", "prefetch_timeout_per_1k_tokens_s",
                      "prefetch_timeout_max_s"):
-            _non_negative(f"storage.{name}", getattr(self, name))
+            check_non_negative(f"storage.{name}", getattr(self, name))
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pd_cache.config import check_non_negative, check_positive_int
+
 
 @dataclass(frozen=True)
 class WorkloadConfig:
@@ -25,11 +27,9 @@ class WorkloadConfig:
 
     def __post_init__(self) -> None:
         for name in ("tenants", "clients_per_tenant", "rounds", "user_tokens", "vocab_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"workload.{name}: expected an int >= 1, got {value!r}")
-        if self.system_tokens < 0 or self.output_tokens < 0:
-            raise ValueError("workload.system_tokens/output_tokens: expected ints >= 0")
+            check_positive_int(f"workload.{name}", getattr(self, name))
+        for name in ("system_tokens", "output_tokens"):
+            check_non_negative(f"workload.{name}", getattr(self, name))
 
 
 @dataclass(frozen=True)
