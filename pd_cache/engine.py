@@ -4,12 +4,15 @@
 workers can run them in different processes, handing the prompt's KV pages across::
 
     prefill(req)  name the prompt's full pages in req's namespace
-                  match L1/L2 (lock, load back host pages)  ->  _match_storage (L3 seam)
-                  compute the rest of the prompt, cache its new full pages, unlock
+                  match L1/L2 (lock, load back host pages)  ->  _match_storage (L3 seam:
+                  the CacheController prefetches from L3 into host slots, by policy)
+                  compute the rest of the prompt, cache its new full pages, unlock,
+                  write the new full pages through to L3 in the background
                   -> PrefillOutput(first token, prompt KV pages, names, cached tokens)
-    decode(req, pages, n, first)  greedy/seeded steps over a private KV buffer
+    decode(req, pages, n, first)  greedy/seeded steps over a private KV buffer; with L3
+                  the DecodeOffloadManager backs up prompt and generated pages
 
-Not thread-safe: a worker drives it from one loop.
+Not thread-safe: a worker drives it from one loop (L3 writes run on their own thread).
 """
 
 from __future__ import annotations
@@ -19,11 +22,15 @@ from typing import NamedTuple
 import torch
 
 from pd_cache.config import PDCacheConfig
+from pd_cache.controller import CacheController
+from pd_cache.hashing import to_hex
 from pd_cache.kv import CacheKey, MatchResult, PagePool, RadixCache, SlotError, Tier
 from pd_cache.kv.pool import device_pool, host_pool
 from pd_cache.model import Model, check_pages, kv_to_pages, pages_to_kv, sample
 from pd_cache.request import Req
+from pd_cache.offload import DecodeOffloadManager, OffloadState
 from pd_cache.stats import Stats
+from pd_cache.storage.base import StorageBackend
 
 
 class PrefillOutput(NamedTuple):
@@ -54,10 +61,19 @@ class Result(NamedTuple):
 
 
 class LocalEngine:
-    """Model, pools and radix cache of one worker. Cache off: ``device_pages=0``."""
+    """Model, pools and radix cache of one worker. Cache off: ``device_pages=0``.
+
+    ``storage`` (any ``StorageBackend``: an in-process backend or a ``StorageClient`` over
+    tier actors) adds L3, unless ``config.storage.enabled`` is false. Prefetched pages land
+    in host slots, so L3 reads need ``cache.host_pages > 0``. ``offload_stride`` (tokens)
+    is how often decode backs up generated pages; ``storage_timeout_s`` bounds any wait on
+    an asynchronous backend.
+    """
 
     def __init__(self, config: PDCacheConfig | None = None, *,
-                 device: torch.device | str = "cpu") -> None:
+                 storage: StorageBackend | None = None, device: torch.device | str = "cpu",
+                 offload_stride: int | None = None,
+                 storage_timeout_s: float = 30.0) -> None:
         self.config = config if config is not None else PDCacheConfig()
         self.layout = self.config.layout
         self.page_size = self.config.cache.page_size
@@ -68,6 +84,14 @@ class LocalEngine:
         self.host_pool: PagePool = host_pool(self.layout, int(self.config.cache.host_pages))
         self.cache = RadixCache(self.device_pool, self.host_pool,
                                 write_policy=self.config.cache.write_policy, stats=self.stats)
+        self.controller: CacheController | None = None
+        self.offload: DecodeOffloadManager | None = None
+        if storage is not None and self.config.storage.enabled:
+            self.controller = CacheController(storage, self.host_pool, self.config.storage,
+                                              algo=self.config.cache.hash_algo,
+                                              stats=self.stats, alloc=self._host_slots,
+                                              call_timeout_s=storage_timeout_s)
+            self.offload = DecodeOffloadManager(self.controller, stride=offload_stride)
 
     # -- the request path -----------------------------------------------------------------
 
@@ -111,6 +135,7 @@ class LocalEngine:
         out = self.model(req.input_ids[num_cached:], prefix_kv)
         pages = kv_to_pages(torch.cat([prefix_kv, out.kv], dim=2), self.page_size)
         self.cache.insert(key, pages)
+        self._write_through(req, key, prefix.shape[0], pages)
         logits = out.logits[-1]
         cached = {Tier.DEVICE.value: match.count(Tier.DEVICE) * self.page_size,
                   Tier.HOST.value: match.count(Tier.HOST) * self.page_size,
@@ -123,9 +148,31 @@ class LocalEngine:
 
         ``names`` are the prompt's page names right after the local L1/L2 hit, in ``req``'s
         namespace. Returns ``[k, *page_shape]`` for the first ``k`` of them; the engine
-        computes the rest. No L3 here: ``k = 0``.
+        computes the rest. Without L3, ``k = 0``.
         """
-        return torch.empty((0, *self.layout.page_shape), dtype=self.device_pool.data.dtype)
+        if self.controller is None or not names:
+            return torch.empty((0, *self.layout.page_shape), dtype=self.device_pool.data.dtype)
+        fetched = self.controller.prefetch(req, names)
+        try:
+            return fetched.read()
+        finally:
+            fetched.release()
+
+    def _host_slots(self, n: int, owner: str) -> list[int]:
+        """Up to ``n`` host slots for ``owner``, evicting unlocked L2 pages to make room."""
+        if self.host_pool.num_free < n:
+            self.cache.evict(Tier.HOST, n - self.host_pool.num_free)
+        return self.host_pool.alloc(min(n, self.host_pool.num_free), owner)
+
+    def _write_through(self, req: Req, key: CacheKey, num_cached: int,
+                       pages: torch.Tensor) -> None:
+        """Back up the prompt's newly computed full pages to L3, in the background."""
+        if self.controller is None or num_cached >= key.num_pages:
+            return
+        ps = self.page_size
+        self.controller.backup(req, key.names[num_cached:],
+                               key.tokens[num_cached * ps:key.num_pages * ps],
+                               pages[num_cached:key.num_pages], key.names[:num_cached])
 
     def decode(self, req: Req, prompt_kv_pages: torch.Tensor, num_prompt_tokens: int,
                first_token: int) -> list[int]:
@@ -145,11 +192,15 @@ class LocalEngine:
             raise ValueError(f"first_token: expected a token id in [0, {vocab}), got "
                              f"{first_token!r}")
         kv = pages_to_kv(prompt_kv_pages, num_prompt_tokens, self.layout)
-        tokens = self._decode_steps(req, kv, first_token) if req.max_new_tokens else []
+        state = None
+        if self.offload is not None:
+            state = self.offload.offload_kv_cache(req, prompt_kv_pages)
+        tokens = self._decode_steps(req, kv, first_token, state) if req.max_new_tokens else []
         req.output_ids = tokens
         return list(tokens)
 
-    def _decode_steps(self, req: Req, prompt_kv: torch.Tensor, first_token: int) -> list[int]:
+    def _decode_steps(self, req: Req, prompt_kv: torch.Tensor, first_token: int,
+                      state: OffloadState | None = None) -> list[int]:
         n, steps = prompt_kv.shape[2], req.max_new_tokens
         # NOTE: one buffer for the whole sequence; the last token's KV is never needed.
         buf = prompt_kv.new_empty((*prompt_kv.shape[:2], n + steps - 1, *prompt_kv.shape[3:]))
@@ -160,6 +211,10 @@ class LocalEngine:
             out = self.model([tokens[-1]], buf[:, :, :pos])
             buf[:, :, pos:pos + 1] = out.kv
             tokens.append(sample(out.logits[-1], req.sampling, step))
+            if state is not None and self.offload is not None:
+                self.offload.advance(state, req.input_ids + tokens, buf, pos + 1)
+        if state is not None and self.offload is not None:
+            self.offload.advance(state, req.input_ids + tokens, buf, n + steps - 1, final=True)
         return tokens
 
     def _admit(self, req: Req) -> None:
@@ -172,12 +227,31 @@ class LocalEngine:
         """Slots held per pool, by owner (``"radix"`` for cached pages)."""
         return {"device": self.device_pool.usage(), "host": self.host_pool.usage()}
 
+    def page_names(self, req: Req) -> list[str]:
+        """Hex names of ``req``'s full prompt pages as this process computes them (debug)."""
+        key = CacheKey.for_request(req, page_size=self.page_size,
+                                   algo=self.config.cache.hash_algo)
+        return [to_hex(name) for name in key.names]
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for every L3 backup and offload write issued so far (``True``: all done)."""
+        return True if self.controller is None else self.controller.flush(timeout)
+
+    def controller_stats(self) -> dict[str, int]:
+        """Snapshot of every count (``"event/reason": n``), L3 prefetch and writes included."""
+        return self.stats.snapshot()
+
     def locks_held(self) -> int:
         """Cache locks taken and not yet released; zero between requests."""
         return self.cache.num_locks
 
     def close(self) -> None:
-        """Drop the cache and check that no lock or slot leaked (``SlotError`` if one did)."""
+        """Drop the cache and check that no lock or slot leaked (``SlotError`` if one did).
+
+        Pending L3 writes are finished first.
+        """
+        if self.controller is not None:
+            self.controller.close()
         if self.cache.num_locks:
             raise SlotError(f"engine: {self.cache.num_locks} cache locks still held at close")
         self.cache.check_invariants()

@@ -1,0 +1,70 @@
+"""The controller and the decode offload manager against StorageTier actors (L3 on Ray)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from pd_cache.controller import PREFETCH_ACK, PREFETCH_BATCH
+from pd_cache.engine import LocalEngine
+from pd_cache.request import Req
+from pd_cache.stats import Event, MissReason
+from pd_cache.storage.client import StorageClient
+from pd_cache.storage.tier import storage_actors
+from tests.unit.test_controller import PS, assert_clean, config, prompt, reference
+
+ray = pytest.importorskip("ray")
+
+
+def conversation(cfg: Any, client: StorageClient) -> tuple[LocalEngine, Any, Any]:
+    """Turn 1 on one engine (writes through and offloads), turn 2 on a fresh one."""
+    first = LocalEngine(cfg, storage=client)
+    turn1 = Req(rid="t1", input_ids=prompt(30, 26), cache_salt="tenant", max_new_tokens=12)
+    first.generate(turn1)
+    assert first.flush(30)
+    first.close()
+    turn2 = Req(rid="t2", input_ids=turn1.input_ids + turn1.output_ids + prompt(31, 7),
+                cache_salt="tenant", max_new_tokens=5)
+    return LocalEngine(cfg, storage=client, storage_timeout_s=5.0), turn1, turn2
+
+
+def test_turn_two_loads_turn_one_from_tier_actors(ray_cluster: Any) -> None:
+    cfg = config(batch=4, policy="wait_complete", num_shards=2)
+    handles = storage_actors(cfg)
+    try:
+        client = StorageClient(handles, timeout_s=10.0)
+        engine, _, turn2 = conversation(cfg, client)
+        result = engine.generate(turn2)
+        assert result.output_ids == reference(engine, turn2)
+        # 26 + 12 - 1 tokens had KV in turn 1: 9 pages, prompt's 6 plus 3 of its answer
+        assert result.cached_tokens["storage"] == 9 * PS
+        assert engine.stats.get(PREFETCH_BATCH) == 3
+        assert engine.stats.get(PREFETCH_ACK, "ok") == 3
+        assert engine.flush(30)
+        assert_clean(engine)
+        engine.close()
+    finally:
+        for h in handles:
+            ray.kill(h)
+
+
+def test_a_dead_shard_falls_back_to_recompute(ray_cluster: Any) -> None:
+    cfg = config(batch=4, policy="wait_complete", num_shards=2)
+    handles = storage_actors(cfg, max_restarts=0, max_task_retries=0)
+    try:
+        client = StorageClient(handles, timeout_s=5.0)
+        engine, _, turn2 = conversation(cfg, client)
+        ray.kill(handles[1], no_restart=True)
+        result = engine.generate(turn2)
+        assert result.output_ids == reference(engine, turn2)
+        assert result.cached_tokens["storage"] < 9 * PS
+        assert engine.stats.get(Event.MISS, MissReason.STORAGE_ERROR) > 0 or \
+            client.stats().get("miss/storage_error", 0) > 0
+        assert engine.stats.get(PREFETCH_ACK, "ok") + engine.stats.get(PREFETCH_ACK, "short") \
+            == engine.stats.get(PREFETCH_BATCH)
+        engine.flush(30)
+        assert_clean(engine)
+        engine.close()
+    finally:
+        ray.kill(handles[0])
