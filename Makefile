@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 # (torch>=2.4) is then already satisfied and nothing large is downloaded.
 TORCH  := torch==2.13.0
 
-.PHONY: run test bench clean
+.PHONY: run test lint bench clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -26,6 +26,9 @@ run: $(VENV)/.installed
 
 test: $(VENV)/.installed-test
 	RAY_AUTH_MODE=disabled $(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(VENV)/.installed-test
+	$(VENV)/bin/ruff check pd_cache tests benchmarks
 
 bench: $(VENV)/.installed
 	for b in benchmarks/bench_*.py; do $(PY) $$b || exit 1; done

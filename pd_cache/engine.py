@@ -27,8 +27,8 @@ from pd_cache.hashing import to_hex
 from pd_cache.kv import CacheKey, MatchResult, PagePool, RadixCache, SlotError, Tier
 from pd_cache.kv.pool import device_pool, host_pool
 from pd_cache.model import Model, check_pages, kv_to_pages, pages_to_kv, sample
-from pd_cache.request import Req
 from pd_cache.offload import DecodeOffloadManager, OffloadState
+from pd_cache.request import Req
 from pd_cache.stats import Stats
 from pd_cache.storage.base import StorageBackend
 

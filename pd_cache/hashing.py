@@ -158,8 +158,9 @@ def _load_native_chain() -> Callable[[bytes, Any, int], list[bytes]] | None:
     try:
         import ctypes
 
-        from pd_cache import _chain  # type: ignore[attr-defined]
         from xxhash import _xxhash  # type: ignore[attr-defined]
+
+        from pd_cache import _chain  # type: ignore[attr-defined]
 
         fn = ctypes.CDLL(_xxhash.__file__).XXH3_128bits
         _chain.bind(ctypes.cast(fn, ctypes.c_void_p).value)
