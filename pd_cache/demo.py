@@ -1,4 +1,6 @@
-"""``pd-cache run``: name a multi-tenant conversation workload's pages and show reuse.
+"""``pd-cache names``: name a multi-tenant conversation workload's pages and show reuse.
+
+(``pd-cache run``, the cluster job, lives in ``pd_cache.job``.)
 
 Every tenant's prompts start with the same platform preamble, so the token sequences
 overlap across tenants; the page names must not. The report shows, per tenant, how many
@@ -18,7 +20,7 @@ from pd_cache.hashing import page_hashes, to_hex
 from pd_cache.workload import Conversation, WorkloadConfig, make_conversations
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_names_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tenants", type=int, default=4)
     parser.add_argument("--clients", type=int, default=2, help="clients per tenant")
     parser.add_argument("--rounds", type=int, default=3)
@@ -26,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
 
 
-def run(args: argparse.Namespace) -> int:
+def run_names(args: argparse.Namespace) -> int:
     cfg = WorkloadConfig(tenants=args.tenants, clients_per_tenant=args.clients,
                          system_tokens=256, rounds=args.rounds, user_tokens=64,
                          output_tokens=0, seed=args.seed)

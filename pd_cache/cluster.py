@@ -1,0 +1,343 @@
+"""``PDCluster``: prefill, decode and storage actors on one Ray cluster, and the router.
+
+One request::
+
+    generate_async(req)   admit (ValueError for a bad request), name its prompt pages
+      -> prefill[p]       p = longest known prefix match in req's namespace, by load
+         (info_ref, pages_ref)   await info: TTFT; pages stay in the object store
+      -> decode[d]        d = least loaded; fetches pages_ref itself, generates, offloads
+      -> Completion       tokens, cached tokens by tier, pages moved, cross-namespace hits
+
+The router runs on one asyncio loop (no locks): ``generate`` and ``generate_many`` are
+sync fronts over ``generate_async``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from pd_cache.config import CacheConfig, ModelConfig, PDCacheConfig, StorageConfig
+from pd_cache.hashing import compute_prefix_hash
+from pd_cache.request import Req
+from pd_cache.router import PrefixRouter, ProvenanceLedger
+from pd_cache.workers import TIERS, DecodeInfo, PrefillInfo, WorkerState
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Counts, model preset, cache tiers, L3 backend and policies of one cluster.
+
+    ``cache=False`` turns reuse off at every tier (no L1/L2 pages, no L3): the baseline.
+    ``num_storage=0`` runs without L3. ``actor_cpus`` is what each worker actor reserves
+    from Ray (0: place them regardless of the CPU count; they share the machine anyway).
+    """
+
+    num_prefill: int = 2
+    num_decode: int = 2
+    num_storage: int = 2
+    model: str = "small"
+    page_size: int = 16
+    device_pages: int = 256
+    host_pages: int = 1024
+    cache: bool = True
+    storage_backend: str = "memory"
+    storage_capacity_bytes: int = 1 << 30
+    disk_path: str | None = None
+    prefetch_policy: str = "wait_complete"
+    write_policy: str = "write_through"
+    balance_threshold: int = 2
+    threads: int = 1
+    actor_cpus: float = 0.0
+    storage_timeout_s: float = 10.0
+    storage_restarts: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("num_prefill", "num_decode", "threads"):
+            _int_at_least(name, getattr(self, name), 1)
+        for name in ("num_storage", "balance_threshold", "storage_restarts"):
+            _int_at_least(name, getattr(self, name), 0)
+        if not isinstance(self.actor_cpus, (int, float)) or self.actor_cpus < 0:
+            raise ValueError(f"actor_cpus: expected a number >= 0, got {self.actor_cpus!r}")
+        if not isinstance(self.storage_timeout_s, (int, float)) or self.storage_timeout_s <= 0:
+            raise ValueError(f"storage_timeout_s: expected a number > 0, got "
+                             f"{self.storage_timeout_s!r}")
+        self.pd_config  # noqa: B018  (builds and so validates the worker config)
+
+    @property
+    def with_storage(self) -> bool:
+        return self.cache and self.num_storage > 0
+
+    @property
+    def pd_config(self) -> PDCacheConfig:
+        """The worker config every prefill, decode and storage actor shares."""
+        on = self.cache
+        return PDCacheConfig(
+            model=ModelConfig.preset(self.model),
+            cache=CacheConfig(page_size=self.page_size,
+                              device_pages=self.device_pages if on else 0,
+                              host_pages=self.host_pages if on else 0,
+                              write_policy=self.write_policy),
+            storage=StorageConfig(enabled=self.with_storage, backend=self.storage_backend,
+                                  capacity_bytes=self.storage_capacity_bytes,
+                                  disk_path=self.disk_path,
+                                  num_shards=max(1, self.num_storage),
+                                  prefetch_policy=self.prefetch_policy))
+
+
+def _int_at_least(name: str, value: Any, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
+
+
+class Completion(NamedTuple):
+    """One finished request as the caller sees it.
+
+    ``cross_namespace_tokens``: cached prompt tokens whose page name was produced in
+    another namespace, or that the prefill worker found under a name other than the one it
+    computed for the request (must be 0); ``unattributed_tokens``: cached tokens of pages
+    no worker of this cluster reported producing (for example a disk tier's older pages).
+    """
+
+    rid: str
+    output_ids: list[int]
+    num_prompt_tokens: int
+    cached_tokens: dict[str, int]
+    prefill_worker: int
+    decode_worker: int
+    ttft_s: float
+    latency_s: float
+    pages_handed_off: int
+    cross_namespace_tokens: int
+    unattributed_tokens: int
+
+
+class PageNames(NamedTuple):
+    """A request's prompt page names as each process computes them (a debug view)."""
+
+    router: list[bytes]
+    prefill: list[list[bytes]]
+    decode: list[list[bytes]]
+    storage: list[list[bytes]]
+
+
+class PDCluster:
+    """N prefill, M decode and S storage actors and the router; see the module docstring."""
+
+    def __init__(self, config: ClusterConfig, prefill: Sequence[Any], decode: Sequence[Any],
+                 storage: Sequence[Any]) -> None:
+        self.config, self.pd = config, config.pd_config
+        self.prefill, self.decode, self.storage = list(prefill), list(decode), list(storage)
+        capacity = self.pd.cache.device_pages + self.pd.cache.host_pages
+        self.prefill_router = PrefixRouter(len(self.prefill), capacity, config.balance_threshold)
+        self.decode_router = PrefixRouter(len(self.decode), 0)
+        self.ledger = ProvenanceLedger()
+
+    @classmethod
+    def start(cls, config: ClusterConfig) -> PDCluster:
+        """Create the actors (``ray.init()`` first if this process has not) and wait for them."""
+        import ray
+
+        from pd_cache.actors import decode_actor, prefill_actor
+        from pd_cache.storage.tier import storage_actors
+
+        if not isinstance(config, ClusterConfig):
+            raise ValueError(f"config: expected ClusterConfig, got {type(config).__name__}")
+        if not ray.is_initialized():
+            ray.init()
+        pd = config.pd_config
+        storage = (storage_actors(pd, max_restarts=config.storage_restarts)
+                   if config.with_storage else [])
+        opts = {"threads": config.threads, "num_cpus": config.actor_cpus,
+                "storage_timeout_s": config.storage_timeout_s}
+        prefill = [prefill_actor(pd, i, storage, **opts) for i in range(config.num_prefill)]
+        decode = [decode_actor(pd, i, storage, **opts) for i in range(config.num_decode)]
+        ray.get([a.ready.remote() for a in prefill + decode] + [s.ping.remote() for s in storage])
+        return cls(config, prefill, decode, storage)
+
+    # -- requests -----------------------------------------------------------------------
+
+    def admit(self, req: Req | Mapping[str, Any]) -> Req:
+        """The request checked against the model; ``ValueError`` naming the field if bad.
+
+        Accepts a ``Req`` or its fields as a mapping (as read off the wire).
+        """
+        if isinstance(req, Mapping):
+            req = Req(**req)
+        elif not isinstance(req, Req):
+            raise ValueError(f"req: expected a Req or a mapping of its fields, got "
+                             f"{type(req).__name__}")
+        req.check_model(vocab_size=self.pd.model.vocab_size,
+                        max_context=self.pd.model.max_context)
+        return req
+
+    async def generate_async(self, req: Req | Mapping[str, Any], *,
+                             prefill_worker: int | None = None,
+                             decode_worker: int | None = None) -> Completion:
+        """Serve one request; ``prefill_worker`` / ``decode_worker`` pin the route."""
+        req = self.admit(req)
+        start = time.perf_counter()
+        info, pages_ref = await self._prefill(req, prefill_worker)
+        ttft = time.perf_counter() - start
+        out = await self._decode(req, info, pages_ref, decode_worker)
+        req.output_ids = list(out.output_ids)
+        return self._complete(req, info, out, ttft, time.perf_counter() - start)
+
+    def generate(self, req: Req | Mapping[str, Any], **route: int | None) -> Completion:
+        return asyncio.run(self.generate_async(req, **route))
+
+    def generate_many(self, reqs: Iterable[Req | Mapping[str, Any]], *,
+                      return_exceptions: bool = False) -> list[Any]:
+        """All requests in flight at once; results in order. With ``return_exceptions``,
+        a bad request's ``ValueError`` takes its place instead of being raised."""
+        async def run() -> list[Any]:
+            return await asyncio.gather(*(self.generate_async(r) for r in reqs),
+                                        return_exceptions=return_exceptions)
+        return asyncio.run(run())
+
+    async def _prefill(self, req: Req, pinned: int | None) -> tuple[PrefillInfo, Any]:
+        names = self.router_names(req)
+        worker = self.prefill_router.pick(names).worker if pinned is None else pinned
+        self._check_worker("prefill_worker", worker, self.prefill)
+        self.prefill_router.begin(worker)
+        try:
+            info_ref, pages_ref = self.prefill[worker].prefill.remote(req)
+            info = await _unwrap(info_ref)
+        finally:
+            self.prefill_router.end(worker)
+        self.prefill_router.record(worker, info.page_names)
+        return info, pages_ref
+
+    async def _decode(self, req: Req, info: PrefillInfo, pages_ref: Any,
+                      pinned: int | None) -> DecodeInfo:
+        worker = self.decode_router.least_loaded() if pinned is None else pinned
+        self._check_worker("decode_worker", worker, self.decode)
+        self.decode_router.begin(worker)
+        try:
+            return await _unwrap(self.decode[worker].decode.remote(req, info, [pages_ref]))
+        finally:
+            self.decode_router.end(worker)
+
+    def _complete(self, req: Req, info: PrefillInfo, out: DecodeInfo, ttft: float,
+                  latency: float) -> Completion:
+        ns, ps = req.namespace, info.page_size
+        seen = self.ledger.check(ns, info.page_names[:info.cached_pages])
+        self.ledger.add(ns, info.page_names)
+        self.ledger.add(ns, out.page_names)
+        return Completion(req.rid, list(out.output_ids), info.num_prompt_tokens,
+                          dict(info.cached_tokens), info.worker,
+                          out.worker, ttft, latency, out.pages_received,
+                          (seen.foreign_pages + info.foreign_pages) * ps,
+                          seen.unattributed_pages * ps)
+
+    @staticmethod
+    def _check_worker(field: str, worker: Any, actors: list[Any]) -> None:
+        if isinstance(worker, bool) or not isinstance(worker, int) \
+                or not 0 <= worker < len(actors):
+            raise ValueError(f"{field}: expected an int in [0, {len(actors)}), got {worker!r}")
+
+    # -- for tests and operators ---------------------------------------------------------
+
+    def router_names(self, req: Req) -> list[bytes]:
+        return compute_prefix_hash(req, req.input_ids, page_size=self.pd.cache.page_size,
+                                   algo=self.pd.cache.hash_algo)
+
+    def page_names(self, req: Req) -> PageNames:
+        """The request's prompt page names from the router, every worker and every shard."""
+        import ray
+
+        from pd_cache.actors import tier_page_names
+
+        ps = self.pd.cache.page_size
+        prefill = [a.page_names.remote(req) for a in self.prefill]
+        decode = [a.page_names.remote(req) for a in self.decode]
+        tiers = [s.__ray_call__.remote(tier_page_names, req, ps) for s in self.storage]
+        return PageNames(self.router_names(req), ray.get(prefill), ray.get(decode),
+                         ray.get(tiers))
+
+    def storage_client(self, timeout_s: float | None = None) -> Any:
+        """A client over this cluster's tier actors (``None`` without L3)."""
+        from pd_cache.storage.client import StorageClient
+
+        if not self.storage:
+            return None
+        return StorageClient(self.storage, algo=self.pd.cache.hash_algo,
+                             timeout_s=timeout_s or self.config.storage_timeout_s)
+
+    def flush(self) -> None:
+        """Wait until every worker's background L3 writes so far have finished."""
+        import ray
+
+        ray.get([a.flush.remote() for a in self.prefill + self.decode])
+
+    def l3_writes(self) -> dict[str, int]:
+        """Pages stored in L3 so far (after ``flush``): ``backup`` by prefill write-through,
+        ``offload`` by decode."""
+        import ray
+
+        out = {"backup": 0, "offload": 0}
+        for writes in ray.get([a.l3_writes.remote() for a in self.prefill + self.decode]):
+            for kind, n in writes.items():
+                out[kind] += n
+        return out
+
+    def states(self) -> list[WorkerState]:
+        import ray
+
+        return ray.get([a.state.remote() for a in self.prefill + self.decode])
+
+    def engine_stats(self) -> dict[str, dict[str, int]]:
+        import ray
+
+        stats = ray.get([a.engine_stats.remote() for a in self.prefill + self.decode])
+        roles = [f"prefill-{i}" for i in range(len(self.prefill))] + \
+                [f"decode-{i}" for i in range(len(self.decode))]
+        return dict(zip(roles, stats))
+
+    def shutdown(self, *, check: bool = True) -> None:
+        """Close every worker (with ``check``, raise ``SlotError`` if one leaked a lock or a
+        slot) and kill every actor of this cluster."""
+        import ray
+
+        closing = [a.close.remote() for a in self.prefill + self.decode] if check else []
+        try:
+            ray.get(closing)
+        finally:
+            for actor in self.prefill + self.decode + self.storage:
+                ray.kill(actor)
+            self.prefill, self.decode, self.storage = [], [], []
+
+
+async def _unwrap(ref: Any) -> Any:
+    """Await a Ray call; a ``ValueError`` raised in the actor comes back as itself."""
+    import ray
+
+    try:
+        return await ref
+    except ray.exceptions.RayTaskError as exc:
+        if isinstance(exc.cause, ValueError):
+            raise ValueError(str(exc.cause)) from None
+        raise
+
+
+def totals(completions: Iterable[Completion]) -> dict[str, Any]:
+    """Sums over completions: cached tokens by tier, pages handed off, cross-namespace."""
+    out: dict[str, Any] = {"requests": 0, "prompt_tokens": 0,
+                           "cached_tokens": dict.fromkeys(TIERS, 0),
+                           "pages_handed_off": 0, "cross_namespace_tokens": 0,
+                           "unattributed_tokens": 0}
+    for c in completions:
+        out["requests"] += 1
+        out["prompt_tokens"] += c.num_prompt_tokens
+        for tier, n in c.cached_tokens.items():
+            out["cached_tokens"][tier] = out["cached_tokens"].get(tier, 0) + n
+        out["pages_handed_off"] += c.pages_handed_off
+        out["cross_namespace_tokens"] += c.cross_namespace_tokens
+        out["unattributed_tokens"] += c.unattributed_tokens
+    return out
+
+
+__all__ = ["ClusterConfig", "Completion", "PDCluster", "PageNames", "totals"]

@@ -1,0 +1,177 @@
+"""The PD cluster on the session's Ray cluster: 2 prefill, 2 decode, 2 storage actors."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from pd_cache.cluster import ClusterConfig, Completion, PDCluster
+from pd_cache.model import Model, reference_generate
+from pd_cache.request import Req
+from pd_cache.workload import WorkloadConfig, make_conversations
+
+ray = pytest.importorskip("ray")
+
+PS = 4
+CONFIG = ClusterConfig(model="tiny", page_size=PS, device_pages=64, host_pages=128,
+                       storage_timeout_s=5.0)
+VOCAB = CONFIG.pd_config.model.vocab_size
+NAMESPACES = [(None, None), (None, "tenant-a"), ("lora-1", None), ("lora-1", "tenant-a")]
+_ids = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_cluster: Any) -> Iterator[PDCluster]:
+    c = PDCluster.start(CONFIG)
+    yield c
+    c.shutdown(check=True)  # raises if any worker leaked a lock or a slot
+
+
+@pytest.fixture(scope="module")
+def model() -> Model:
+    return Model(CONFIG.pd_config.model)
+
+
+def req(tokens: list[int], ns: tuple[str | None, str | None] = (None, None),
+        max_new: int = 5) -> Req:
+    return Req(rid=f"r{next(_ids)}", input_ids=tokens, extra_key=ns[0], cache_salt=ns[1],
+               max_new_tokens=max_new)
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(VOCAB) for _ in range(n)]
+
+
+def expected(model: Model, r: Req) -> list[int]:
+    return reference_generate(model, Req(rid="ref", input_ids=r.input_ids,
+                                         max_new_tokens=r.max_new_tokens)).output_ids
+
+
+def assert_idle(cluster: PDCluster) -> None:
+    for state in cluster.states():
+        assert state.locks == 0, state
+        owners = {o for pool in state.pool_usage.values() for o in pool}
+        assert owners <= {"radix"}, state  # every request's own slots were released
+
+
+def test_multi_turn_multi_tenant_output_equals_reference(cluster: PDCluster,
+                                                          model: Model) -> None:
+    wl = WorkloadConfig(tenants=3, clients_per_tenant=2, system_tokens=22, rounds=3,
+                        user_tokens=7, output_tokens=6, vocab_size=VOCAB, seed=11)
+    convs = make_conversations(wl)
+    answers: dict[str, list[list[int]]] = {c.name: [] for c in convs}
+    done: list[Completion] = []
+    for r in range(wl.rounds):
+        reqs = [req(c.prompt(r, answers[c.name]), (c.extra_key, c.cache_salt), wl.output_tokens)
+                for c in convs]
+        for c, rq, out in zip(convs, reqs, cluster.generate_many(reqs)):
+            assert out.output_ids == expected(model, rq), (c.name, r)
+            answers[c.name].append(out.output_ids)
+            done.append(out)
+    assert sum(sum(c.cached_tokens.values()) for c in done) > 0  # the cache was used
+    assert all(c.cross_namespace_tokens == 0 and c.unattributed_tokens == 0 for c in done)
+    assert {c.prefill_worker for c in done} == {0, 1} and {c.decode_worker for c in done} == {0, 1}
+    assert_idle(cluster)
+
+
+def test_turn_two_on_other_worker_reads_turn_one_from_l3(cluster: PDCluster,
+                                                         model: Model) -> None:
+    ns = ("lora-7", "tenant-turns")
+    turn1 = req(tokens(1, 21), ns, max_new=10)
+    out1 = cluster.generate(turn1, prefill_worker=0)
+    cluster.flush()
+    turn2 = req(turn1.input_ids + out1.output_ids + tokens(2, 6), ns, max_new=4)
+    out2 = cluster.generate(turn2, prefill_worker=1)
+    assert out2.output_ids == expected(model, turn2)
+    # Every page whose tokens all have KV after turn 1: the prompt's (prefill's write-through)
+    # and the answer's (decode's offload; the last drawn token has no KV yet).
+    assert out2.cached_tokens["storage"] == PS * ((21 + 10 - 1) // PS) > PS * (21 // PS)
+    assert out2.cached_tokens["device"] == out2.cached_tokens["host"] == 0
+
+
+def test_identical_prompts_share_pages_only_within_a_namespace(cluster: PDCluster) -> None:
+    prompt = tokens(3, 18)
+    a, b = ("lora-iso", "tenant-1"), (None, "tenant-1")
+    cluster.generate(req(prompt, a), prefill_worker=0)
+    cluster.flush()
+    other = cluster.generate(req(prompt, b), prefill_worker=0)   # same worker, same tokens
+    assert sum(other.cached_tokens.values()) == 0
+    cluster.flush()
+    same_local = cluster.generate(req(prompt, a), prefill_worker=0)
+    same_l3 = cluster.generate(req(prompt, a), prefill_worker=1)
+    assert same_local.cached_tokens["device"] == PS * 4
+    assert same_l3.cached_tokens["storage"] == PS * 4
+    names_a, names_b = cluster.router_names(req(prompt, a)), cluster.router_names(req(prompt, b))
+    assert set(names_a).isdisjoint(names_b)
+    store = cluster.storage_client()
+    assert store.batch_exists(names_a) == store.batch_exists(names_b) == 4  # two sets at L3
+    assert all(c.cross_namespace_tokens == 0 for c in (other, same_local, same_l3))
+
+
+@pytest.mark.parametrize("ns", NAMESPACES)
+def test_page_names_agree_across_processes(cluster: PDCluster, ns: Any) -> None:
+    r = req(tokens(4, 14), ns)
+    names = cluster.page_names(r)
+    assert len(names.router) == 3
+    for computed in names.prefill + names.decode + names.storage:
+        assert computed == names.router
+    cluster.generate(r)
+    cluster.flush()
+    assert cluster.storage_client().batch_exists(names.router) == 3  # stored under them
+    others = [cluster.router_names(req(r.input_ids, o)) for o in NAMESPACES if o != ns]
+    assert all(set(names.router).isdisjoint(o) for o in others)
+
+
+def test_storage_actor_killed_mid_run_then_serving_resumes(cluster: PDCluster,
+                                                            model: Model) -> None:
+    reqs = [req(tokens(100 + i, 30 + i), (None, f"fault-{i % 3}"), max_new=8)
+            for i in range(10)]
+
+    in_flight = []
+
+    async def run_and_kill() -> list[Completion]:
+        tasks = [asyncio.ensure_future(cluster.generate_async(r)) for r in reqs]
+        await asyncio.sleep(0.05)
+        in_flight.append(sum(not t.done() for t in tasks))
+        ray.kill(cluster.storage[0], no_restart=False)
+        return await asyncio.gather(*tasks)
+
+    pid_before = ray.get(cluster.storage[0].ping.remote())
+    for out, r in zip(asyncio.run(run_and_kill()), reqs):
+        assert out.output_ids == expected(model, r)
+    assert in_flight[0] > 0  # the shard died under running requests
+    pid_after = ray.get(cluster.storage[0].ping.remote(), timeout=60)  # restarted
+    assert pid_after != pid_before
+    cluster.flush()
+    again = req(tokens(200, 26), ("lora-after", None), max_new=6)
+    first = cluster.generate(again, prefill_worker=0)
+    cluster.flush()
+    second = cluster.generate(req(again.input_ids, again.namespace, 6), prefill_worker=1)
+    assert first.output_ids == second.output_ids == expected(model, again)
+    assert second.cached_tokens["storage"] == PS * 6  # L3 serves again, both shards
+    assert_idle(cluster)
+
+
+def test_bad_requests_fail_alone(cluster: PDCluster, model: Model) -> None:
+    good = [req(tokens(300 + i, 12), (None, "bad-batch")) for i in range(2)]
+    bad = [{"rid": "empty", "input_ids": []},
+           {"rid": "range", "input_ids": [1, 2, VOCAB]},
+           {"rid": "ns", "input_ids": [1, 2, 3], "cache_salt": ""},
+           {"rid": "ns2", "input_ids": [1, 2, 3], "extra_key": 7}]
+    outs = cluster.generate_many([good[0], *bad, good[1]], return_exceptions=True)
+    messages = [str(e) for e in outs[1:-1]]
+    assert all(isinstance(e, ValueError) for e in outs[1:-1]), outs
+    assert "input_ids: empty prompt" in messages[0]
+    assert f"input_ids[2]: token id {VOCAB}" in messages[1]
+    assert messages[2].startswith("cache_salt") and messages[3].startswith("extra_key")
+    for r, out in ((good[0], outs[0]), (good[1], outs[-1])):
+        assert out.output_ids == expected(model, r)
+    with pytest.raises(ValueError, match="prefill_worker"):
+        cluster.generate(req(tokens(5, 5)), prefill_worker=9)
+    assert_idle(cluster)

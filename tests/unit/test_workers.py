@@ -1,0 +1,133 @@
+"""Prefill and decode workers in one process (no Ray), the router policy and the ledger."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pd_cache.config import CacheConfig, ModelConfig, PDCacheConfig, StorageConfig
+from pd_cache.hashing import page_hashes
+from pd_cache.metrics import PDCacheMetrics
+from pd_cache.model import Model, reference_generate
+from pd_cache.request import Req
+from pd_cache.router import PrefixRouter, ProvenanceLedger
+from pd_cache.storage import make_backend
+from pd_cache.workers import DecodeWorker, PrefillWorker
+
+PS = 4
+CONFIG = PDCacheConfig(model=ModelConfig.preset("tiny"),
+                       cache=CacheConfig(page_size=PS, device_pages=16, host_pages=32),
+                       storage=StorageConfig(prefetch_policy="wait_complete"))
+VOCAB = CONFIG.model.vocab_size
+
+
+@pytest.fixture(scope="module")
+def model() -> Model:
+    return Model(CONFIG.model)
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(VOCAB) for _ in range(n)]
+
+
+def serve(p: PrefillWorker, d: DecodeWorker, req: Req) -> tuple[list[int], dict[str, int]]:
+    info, pages = p.prefill(req)
+    return d.decode(req, info, pages).output_ids, info.cached_tokens
+
+
+def test_handoff_between_workers_matches_reference_and_reuses_l3(model: Model) -> None:
+    storage = make_backend(CONFIG.storage, CONFIG.layout)
+    p0, p1 = (PrefillWorker(CONFIG, worker=i, storage=storage) for i in range(2))
+    d = DecodeWorker(CONFIG, storage=storage)
+    turn1 = Req(rid="t1", input_ids=prompt(1, 19), cache_salt="a", max_new_tokens=9)
+    out1, cached1 = serve(p0, d, turn1)
+    assert out1 == reference_generate(model, turn1).output_ids
+    assert sum(cached1.values()) == 0
+    p0.flush(), d.flush()
+    # Turn 2 on the other prefill worker: its prefix (prompt + answer) comes from L3,
+    # including the pages decode offloaded for the answer.
+    turn2 = Req(rid="t2", input_ids=turn1.input_ids + out1 + prompt(2, 5), cache_salt="a",
+                max_new_tokens=4)
+    out2, cached2 = serve(p1, d, turn2)
+    assert out2 == reference_generate(model, turn2).output_ids
+    assert cached2["storage"] == PS * ((19 + 9 - 1) // PS) > PS * (19 // PS)
+    assert d.l3_writes()["offload"] > 0 and p0.l3_writes()["backup"] == 19 // PS
+    for w in (p0, p1, d):
+        assert w.state().locks == 0
+        w.close()
+
+
+def test_namespace_isolation_and_names(model: Model) -> None:
+    p, d = PrefillWorker(CONFIG), DecodeWorker(CONFIG)
+    tokens = prompt(3, 17)
+    a = Req(rid="a", input_ids=tokens, extra_key="lora", max_new_tokens=3)
+    b = Req(rid="b", input_ids=tokens, max_new_tokens=3)
+    assert p.page_names(a) == d.page_names(a) == page_hashes(tokens, PS, extra_key="lora")
+    assert set(p.page_names(a)).isdisjoint(p.page_names(b))
+    serve(p, d, a)
+    info_b, _ = p.prefill(b)
+    assert sum(info_b.cached_tokens.values()) == 0 and info_b.foreign_pages == 0
+    info_a, _ = p.prefill(Req(rid="a2", input_ids=tokens, extra_key="lora", max_new_tokens=3))
+    assert info_a.cached_tokens["device"] == PS * 4 and info_a.foreign_pages == 0
+    p.close(), d.close()
+
+
+def test_metrics_and_read_only_pages(model: Model) -> None:
+    metrics = PDCacheMetrics("prometheus")
+    p, d = PrefillWorker(CONFIG, metrics=metrics), DecodeWorker(CONFIG, metrics=metrics)
+    req = Req(rid="m", input_ids=prompt(4, 10), cache_salt="t", max_new_tokens=3)
+    info, pages = p.prefill(req)
+    frozen = pages.clone()
+    d.decode(req, info, pages, handoff_s=0.002)
+    assert torch.equal(pages, frozen)  # decode worked on its own copy
+    text = metrics.exposition()
+    assert 'pd_cache_handoff_pages_total 3.0' in text
+    assert 'pd_cache_tokens_total{role="prefill",token_kind="prompt"} 10.0' in text
+    assert 'pd_cache_requests_total{namespace_kind="cache_salt",role="decode"} 1.0' in text
+
+
+def test_bad_requests_raise_value_error() -> None:
+    p, d = PrefillWorker(CONFIG), DecodeWorker(CONFIG)
+    with pytest.raises(ValueError, match=r"input_ids\[1\]"):
+        p.prefill(Req(rid="x", input_ids=[1, VOCAB + 5]))
+    req = Req(rid="ok", input_ids=prompt(5, 6), max_new_tokens=2)
+    info, pages = p.prefill(req)
+    with pytest.raises(ValueError, match="info.rid"):
+        d.decode(Req(rid="other", input_ids=req.input_ids), info, pages)
+    with pytest.raises(ValueError, match="config"):
+        PrefillWorker({"model": "tiny"})  # type: ignore[arg-type]
+    assert p.state().locks == 0
+
+
+def test_router_prefers_longest_match_until_overloaded() -> None:
+    r = PrefixRouter(3, capacity_pages=4, balance_threshold=1)
+    names = [bytes([i]) * 16 for i in range(4)]
+    r.record(1, names[:3])
+    r.record(2, names[:1])
+    assert r.pick(names) == (1, 3)
+    r.begin(1)
+    assert r.pick(names).worker == 1  # one more in flight is within the threshold
+    r.begin(1)
+    # 2 - 0 > 1: an idle worker wins, the one with the longer match among the idle ones
+    assert r.pick(names) == (2, 1)
+    r.end(1), r.end(1)
+    r.record(1, [bytes([9]) * 16, bytes([8]) * 16])  # capacity 4: the oldest names go
+    assert r.matched(1, names) == 0
+    with pytest.raises(ValueError, match="num_workers"):
+        PrefixRouter(0, 4)
+
+
+def test_ledger_flags_names_shared_between_namespaces() -> None:
+    ledger = ProvenanceLedger()
+    a, b = ("lora", None), (None, "t")
+    own = page_hashes(range(8), PS, extra_key="lora")
+    ledger.add(a, own)
+    assert ledger.check(a, own) == (0, 0)
+    assert ledger.check(b, own) == (2, 0)  # b got pages produced only in a
+    # A naming bug that ignored the namespace would give b the same names: flagged too.
+    ledger.add(b, own[:1])
+    assert ledger.check(a, own) == (1, 0) and ledger.shared_names() == 1
+    assert ledger.check(a, [b"\x00" * 16]) == (0, 1)
