@@ -20,7 +20,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from pd_cache.config import CacheConfig, ModelConfig, PDCacheConfig, StorageConfig
+from pd_cache.config import (
+    CacheConfig,
+    ModelConfig,
+    PDCacheConfig,
+    StorageConfig,
+    check_int_at_least,
+)
 from pd_cache.hashing import compute_prefix_hash
 from pd_cache.request import Req
 from pd_cache.router import PrefixRouter, ProvenanceLedger
@@ -57,9 +63,9 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         for name in ("num_prefill", "num_decode", "threads"):
-            _int_at_least(name, getattr(self, name), 1)
+            check_int_at_least(name, getattr(self, name), 1)
         for name in ("num_storage", "balance_threshold", "storage_restarts"):
-            _int_at_least(name, getattr(self, name), 0)
+            check_int_at_least(name, getattr(self, name), 0)
         if not isinstance(self.actor_cpus, (int, float)) or self.actor_cpus < 0:
             raise ValueError(f"actor_cpus: expected a number >= 0, got {self.actor_cpus!r}")
         if not isinstance(self.storage_timeout_s, (int, float)) or self.storage_timeout_s <= 0:
@@ -86,11 +92,6 @@ class ClusterConfig:
                                   disk_path=self.disk_path,
                                   num_shards=max(1, self.num_storage),
                                   prefetch_policy=self.prefetch_policy))
-
-
-def _int_at_least(name: str, value: Any, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
 
 
 class Completion(NamedTuple):

@@ -27,9 +27,13 @@ def _check(ok: bool, field_name: str, value: Any, expected: str) -> None:
         raise ValueError(f"{field_name}: expected {expected}, got {value!r}")
 
 
+def check_int_at_least(field_name: str, value: Any, low: int) -> None:
+    _check(isinstance(value, int) and not isinstance(value, bool) and value >= low,
+           field_name, value, f"an int >= {low}")
+
+
 def check_positive_int(field_name: str, value: Any) -> None:
-    _check(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
-           field_name, value, "an int >= 1")
+    check_int_at_least(field_name, value, 1)
 
 
 def check_non_negative(field_name: str, value: Any) -> None:
