@@ -141,6 +141,11 @@ def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else 0.0
 
 
+def _share(tokens: int, total: int) -> str:
+    """A token count with its share of all prompt tokens: the hit rate of a tier."""
+    return f"{tokens} ({tokens / total:.0%})" if total else f"{tokens}"
+
+
 def print_table(done: list[Completion], seconds: float, writes: dict[str, int]) -> None:
     t = totals(done)
     ttft = [c.ttft_s for c in done]
@@ -151,9 +156,10 @@ def print_table(done: list[Completion], seconds: float, writes: dict[str, int]) 
         ("TTFT p50 / p90", f"{percentile(ttft, 50) * 1e3:.1f} ms / "
                            f"{percentile(ttft, 90) * 1e3:.1f} ms"),
         ("tokens/s (generated)", f"{generated / seconds:.1f}" if seconds else "-"),
-        ("cached tokens: device", f"{cached['device']}"),
-        ("cached tokens: host", f"{cached['host']}"),
-        ("cached tokens: storage", f"{cached['storage']}"),
+        *((f"cached tokens: {tier}", _share(cached[tier], t["prompt_tokens"]))
+          for tier in ("device", "host", "storage")),
+        ("prompt tokens computed", _share(t["prompt_tokens"] - sum(cached.values()),
+                                          t["prompt_tokens"])),
         ("pages handed off", f"{t['pages_handed_off']}"),
         ("pages offloaded by decode", f"{writes['offload']}"),
         ("pages written through by prefill", f"{writes['backup']}"),
@@ -161,5 +167,5 @@ def print_table(done: list[Completion], seconds: float, writes: dict[str, int]) 
     width = max(len(k) for k, _ in rows)
     print()
     for key, value in rows:
-        print(f"{key:<{width}}  {value:>12}")
+        print(f"{key:<{width}}  {value:>18}")
     print(f"cross-namespace hits: {t['cross_namespace_tokens']}")
