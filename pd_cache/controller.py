@@ -262,12 +262,14 @@ class CacheController:
 
     def backup(self, req: Req, names: Sequence[bytes], tokens: Sequence[int],
                pages: torch.Tensor, prefix: Sequence[bytes] = (), *, skip_stored: bool = False,
-               kind: str = BACKUP) -> Future[None]:
+               kind: str = BACKUP, page_kind: str | None = None) -> Future[None]:
         """Write pages ``names`` (KV ``pages[i]``, ``tokens`` of all of them) to L3 later.
 
         ``prefix`` names the chain's pages before ``names``. With ``skip_stored`` the pages
-        L3 already holds (its hit prefix) are not sent again. Returns at once; the write
-        runs on the background thread; ``flush`` waits for it.
+        L3 already holds (its hit prefix) are not sent again. Stored pages are counted as
+        ``kind/page``, and also as ``kind/<page_kind>`` when given (the offload manager's
+        ``prompt`` / ``generated``). Returns at once; the write runs on the background
+        thread; ``flush`` waits for it.
         """
         names, tokens = list(names), list(tokens)
         if len(tokens) != len(names) * self.page_size or pages.shape[0] < len(names):
@@ -277,20 +279,21 @@ class CacheController:
         seed = namespace_seed(req.extra_key, req.cache_salt, self.algo)
         chain = Chain(names, list(prefix), seed)
         job = self._writer.submit(self._write, req, chain, tokens, pages.detach().cpu(),
-                                  skip_stored, kind)
+                                  skip_stored, kind, page_kind)
         with self._lock:
             self._pending = [f for f in self._pending if not f.done()] + [job]
         return job
 
     def _write(self, req: Req, chain: Chain, tokens: list[int], pages: torch.Tensor,
-               skip_stored: bool, kind: str) -> None:
+               skip_stored: bool, kind: str, page_kind: str | None) -> None:
         try:
             start = self.query(req, chain, count=False) if skip_stored else 0
             prefix = self._start_prefix(chain)
             prefix = None if prefix is None else prefix + chain.names[:start]
             for lo in range(start, len(chain.names), self.config.batch_pages):
                 batch = chain.names[lo:lo + self.config.batch_pages]
-                if not self._write_batch(req, chain, lo, batch, tokens, pages, prefix, kind):
+                if not self._write_batch(req, chain, lo, batch, tokens, pages, prefix, kind,
+                                         page_kind):
                     return
                 prefix = None if prefix is None else prefix + batch
         except Exception:  # noqa: BLE001 - a background write never takes the worker down
@@ -299,7 +302,7 @@ class CacheController:
 
     def _write_batch(self, req: Req, chain: Chain, lo: int, batch: list[bytes],
                      tokens: list[int], pages: torch.Tensor, prefix: list[bytes] | None,
-                     kind: str) -> bool:
+                     kind: str, page_kind: str | None) -> bool:
         ps = self.page_size
         records = [make_record(name, chain.prior(lo + i),
                                tokens[(lo + i) * ps:(lo + i + 1) * ps],
@@ -315,6 +318,8 @@ class CacheController:
         stored = next((i for i, ok in enumerate(acks) if not ok), len(acks))
         if stored:
             self.stats.count(kind, "page", stored)
+            if page_kind is not None:
+                self.stats.count(kind, page_kind, stored)
         if stored < len(batch):
             log.warning("request %s: L3 %s batch stored %d of %d pages; stopping", req.rid,
                         kind, stored, len(batch))

@@ -24,6 +24,8 @@ from pd_cache.hashing import compute_prefix_hash as chain_names
 from pd_cache.kv.pages import kv_to_pages
 from pd_cache.request import Req
 
+PROMPT, GENERATED = "prompt", "generated"   # counted as offload/<kind> beside offload/page
+
 
 @dataclass
 class OffloadState:
@@ -75,7 +77,7 @@ class DecodeOffloadManager:
         if names:
             self.controller.backup(req, names, req.input_ids[:full * self.page_size],
                                    prompt_pages[:full].clone(), skip_stored=True,
-                                   kind=OFFLOAD)
+                                   kind=OFFLOAD, page_kind=PROMPT)
         return OffloadState(req, names)
 
     def advance(self, state: OffloadState, tokens: list[int], kv: torch.Tensor,
@@ -92,6 +94,7 @@ class DecodeOffloadManager:
         tokens = tokens[done * ps:full * ps]
         names = self.compute_prefix_hash(state.req, tokens, state.last_name)
         pages = kv_to_pages(kv[:, :, done * ps:full * ps], ps)
-        self.controller.backup(state.req, names, tokens, pages, state.names, kind=OFFLOAD)
+        self.controller.backup(state.req, names, tokens, pages, state.names, kind=OFFLOAD,
+                               page_kind=GENERATED)
         state.names = state.names + names
         return len(names)

@@ -21,9 +21,11 @@ import msgspec
 import torch
 
 from pd_cache.config import PDCacheConfig
+from pd_cache.controller import OFFLOAD
 from pd_cache.engine import LocalEngine
 from pd_cache.hashing import compute_prefix_hash, from_hex
 from pd_cache.metrics import PDCacheMetrics, namespace_kind
+from pd_cache.offload import GENERATED, PROMPT
 from pd_cache.request import Req
 
 TIERS = ("device", "host", "storage")
@@ -98,7 +100,7 @@ class _Worker:
         self.config, self.worker, self.metrics = config, worker, metrics
         self.page_size = config.cache.page_size
         self.engine = LocalEngine(config, storage=storage, storage_timeout_s=storage_timeout_s)
-        self._offloaded = 0
+        self._offloaded = dict.fromkeys((PROMPT, GENERATED), 0)
 
     def page_names(self, req: Req) -> list[bytes]:
         """The request's prompt page names as this process's engine computes them (debug)."""
@@ -218,8 +220,9 @@ class DecodeWorker(_Worker):
         m.observe_handoff(result.pages_received, pages.numel() * pages.element_size(),
                           result.handoff_s)
         # NOTE: offload writes finish on the engine's background thread: export what has
-        # been acknowledged since the last request. The engine counts them as one kind.
-        done = self.engine.stats.get("offload", "page")
-        m.count_offload("generated", done - self._offloaded)
-        self._offloaded = done
+        # been acknowledged since the last request, by page kind.
+        for kind in (PROMPT, GENERATED):
+            done = self.engine.stats.get(OFFLOAD, kind)
+            m.count_offload(kind, done - self._offloaded[kind])
+            self._offloaded[kind] = done
         self._set_pools()

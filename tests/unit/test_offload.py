@@ -9,6 +9,7 @@ import torch
 from pd_cache.controller import OFFLOAD
 from pd_cache.engine import LocalEngine
 from pd_cache.hashing import page_hashes
+from pd_cache.offload import GENERATED, PROMPT
 from pd_cache.request import Req
 from pd_cache.storage import make_backend
 from tests.unit.test_controller import PS, Wrapper, assert_clean, config, prompt, reference
@@ -36,6 +37,9 @@ def test_decode_names_equal_page_hashes_of_the_full_sequence(ns: tuple) -> None:
     assert written == want
     assert store.inner.batch_exists(want) == len(want) == 9
     assert decode_side.stats.get(OFFLOAD, "page") == 9
+    # 23 prompt tokens: 5 full prompt pages, then 4 pages that hold generated tokens
+    assert decode_side.stats.get(OFFLOAD, PROMPT) == 5
+    assert decode_side.stats.get(OFFLOAD, GENERATED) == 4
     # the manager reads the namespace from the request itself
     assert decode_side.offload.compute_prefix_hash(r, seq) == page_hashes(
         seq, PS, extra_key=ns[0], cache_salt=ns[1])
@@ -78,6 +82,8 @@ def test_offload_writes_only_prompt_pages_l3_lacks_and_respects_stride() -> None
     sets = [len(keys) for op, keys, *_ in store.calls if op == "set"]
     # 20 + 17 - 1 = 36 tokens: pages 5..8 are new; stride 12 tokens -> 3 pages, then 1
     assert sets == [3, 1]
+    assert decode_side.stats.get(OFFLOAD, PROMPT) == 0       # prefill had written them all
+    assert decode_side.stats.get(OFFLOAD, GENERATED) == 4
     prompt_names = page_hashes(r.input_ids, PS, cache_salt="t")
     assert not any(k in prompt_names for op, keys, *_ in store.calls if op == "set"
                    for k in keys)

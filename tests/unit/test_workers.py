@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 import torch
@@ -41,7 +42,8 @@ def serve(p: PrefillWorker, d: DecodeWorker, req: Req) -> tuple[list[int], dict[
 def test_handoff_between_workers_matches_reference_and_reuses_l3(model: Model) -> None:
     storage = make_backend(CONFIG.storage, CONFIG.layout)
     p0, p1 = (PrefillWorker(CONFIG, worker=i, storage=storage) for i in range(2))
-    d = DecodeWorker(CONFIG, storage=storage)
+    metrics = PDCacheMetrics("prometheus")
+    d = DecodeWorker(CONFIG, storage=storage, metrics=metrics)
     turn1 = Req(rid="t1", input_ids=prompt(1, 19), cache_salt="a", max_new_tokens=9)
     out1, cached1 = serve(p0, d, turn1)
     assert out1 == reference_generate(model, turn1).output_ids
@@ -55,6 +57,11 @@ def test_handoff_between_workers_matches_reference_and_reuses_l3(model: Model) -
     assert out2 == reference_generate(model, turn2).output_ids
     assert cached2["storage"] == PS * ((19 + 9 - 1) // PS) > PS * (19 // PS)
     assert d.l3_writes()["offload"] > 0 and p0.l3_writes()["backup"] == 19 // PS
+    # turn 1's answer filled (19 + 9 - 1) // PS - 19 // PS pages: exported as generated,
+    # acknowledged before turn 2's decode reported them
+    generated = re.search(r'pd_cache_offload_pages_total\{page_kind="generated"\} (\S+)',
+                          metrics.exposition())
+    assert generated and float(generated.group(1)) >= (19 + 9 - 1) // PS - 19 // PS
     for w in (p0, p1, d):
         assert w.state().locks == 0
         w.close()
