@@ -211,9 +211,9 @@ class LocalEngine:
             out = self.model([tokens[-1]], buf[:, :, :pos])
             buf[:, :, pos:pos + 1] = out.kv
             tokens.append(sample(out.logits[-1], req.sampling, step))
-            if state is not None and self.offload is not None:
+            if state is not None:
                 self.offload.advance(state, req.input_ids + tokens, buf, pos + 1)
-        if state is not None and self.offload is not None:
+        if state is not None:
             self.offload.advance(state, req.input_ids + tokens, buf, n + steps - 1, final=True)
         return tokens
 

@@ -194,15 +194,15 @@ class DecodeWorker(_Worker):
         """Raises ``ValueError`` if the pages or ``info`` do not fit the request."""
         if info.rid != req.rid:
             raise ValueError(f"info.rid: {info.rid!r} does not match request {req.rid!r}")
-        # NOTE: received pages may be a read-only view of shared memory; own a copy.
-        pages = kv_pages.clone()
+        # NOTE: received pages may be a read-only view of shared memory. The engine never
+        # writes into them: decode copies them into its own KV buffer, offload clones.
         start = time.perf_counter()
-        tokens = self.engine.decode(req, pages, info.num_prompt_tokens, info.first_token)
+        tokens = self.engine.decode(req, kv_pages, info.num_prompt_tokens, info.first_token)
         seconds = time.perf_counter() - start
         names = tuple(self.chain_names(req, req.input_ids + tokens))
-        result = DecodeInfo(req.rid, self.worker, tokens, int(pages.shape[0]), names,
+        result = DecodeInfo(req.rid, self.worker, tokens, int(kv_pages.shape[0]), names,
                             handoff_s, seconds)
-        self._record(req, result, pages)
+        self._record(req, result, kv_pages)
         return result
 
     def page_names(self, req: Req) -> list[bytes]:
