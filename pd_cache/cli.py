@@ -3,9 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
+import os
+import signal
 import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 from pd_cache import demo, job
+
+DEFAULT_HOST = "127.0.0.1"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -15,12 +25,127 @@ def main(argv: list[str] | None = None) -> int:
     job.add_arguments(run)
     names = sub.add_parser("names", help="name a workload's pages and show reuse (no Ray)")
     demo.add_names_arguments(names)
+    serve = sub.add_parser("serve", help="deploy a Ray Serve config (deployments/) over HTTP")
+    add_serve_arguments(serve)
     args = parser.parse_args(argv)
+    commands = {"run": job.run, "names": demo.run_names, "serve": run_serve}
     try:
-        return job.run(args) if args.command == "run" else demo.run_names(args)
+        return commands[args.command](args)
     except ValueError as exc:
         print(f"pd-cache: {exc}", file=sys.stderr)
         return 2
+
+
+# -- pd-cache serve ---------------------------------------------------------------------------
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="a Serve config file (YAML), e.g. "
+                                       "deployments/serve_config.yaml")
+    parser.add_argument("--address", default=None,
+                        help="join this Ray cluster instead of starting a local one")
+    parser.add_argument("--host", default=DEFAULT_HOST,
+                        help="address the HTTP proxy binds (default %(default)s)")
+    parser.add_argument("--port", type=int, default=None,
+                        help="HTTP port (default: the config's http_options.port)")
+
+
+def load_serve_config(path: str | os.PathLike[str]) -> Any:
+    """The config file as a validated ``ServeDeploySchema`` (``ValueError`` if it is not)."""
+    import pydantic
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    try:
+        raw = yaml.safe_load(Path(path).read_text())
+        return ServeDeploySchema.model_validate(raw)
+    except OSError as exc:
+        raise ValueError(f"config: cannot read {path}: {exc.strerror}") from None
+    except (yaml.YAMLError, pydantic.ValidationError) as exc:
+        raise ValueError(f"config: {path} is not a Serve config: {exc}") from None
+
+
+def build_application(app: Any) -> Any:
+    """The Serve ``Application`` of one config entry: ``import_path`` is an application or
+    a builder called with the entry's ``args``."""
+    from ray.serve import Application
+
+    module_name, _, attr = app.import_path.partition(":")
+    target = getattr(importlib.import_module(module_name), attr or "app")
+    if isinstance(target, Application):
+        return target
+    return target(app.args or {})
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from ray import serve
+
+    config = load_serve_config(args.config)
+    http = config.http_options.model_dump(exclude_unset=True)
+    port = args.port if args.port is not None else config.http_options.port
+    http.update(host=args.host, port=port)
+    apps = [(a, build_application(a)) for a in config.applications]  # bad args fail here
+    with _ray(args.address, _runtime_env(config)):
+        serve.start(http_options=http, proxy_location=config.proxy_location)
+        try:
+            for entry, application in apps:
+                serve.run(application, name=entry.name, route_prefix=entry.route_prefix)
+                print(f"{entry.name}: http://{_url_host(args.host)}:{port}{entry.route_prefix}",
+                      flush=True)
+            print("serving; Ctrl-C to stop", flush=True)
+            _wait_for_stop()
+        finally:
+            if args.address:  # a shared cluster: remove only what this command deployed
+                for entry, _ in apps:
+                    serve.delete(entry.name)
+            else:
+                serve.shutdown()
+    return 0
+
+
+def _runtime_env(config: Any) -> dict[str, Any] | None:
+    envs = {repr(a.runtime_env) for a in config.applications if a.runtime_env}
+    if len(envs) > 1:
+        raise ValueError("applications[].runtime_env: pd-cache serve applies one runtime_env "
+                         "to the whole job; give every application the same one")
+    return next((a.runtime_env for a in config.applications if a.runtime_env), None)
+
+
+@contextlib.contextmanager
+def _ray(address: str | None, runtime_env: dict[str, Any] | None) -> Iterator[None]:
+    """Join ``address``, or start a throwaway local cluster (auth off for it alone)."""
+    import ray
+
+    previous = os.environ.get("RAY_AUTH_MODE")
+    if not address:
+        os.environ["RAY_AUTH_MODE"] = "disabled"
+    ray.init(address=address, runtime_env=runtime_env, logging_level="WARNING",
+             **({} if address else {"num_cpus": max(4, os.cpu_count() or 1),
+                                    "include_dashboard": False}))
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        if not address:
+            if previous is None:
+                os.environ.pop("RAY_AUTH_MODE", None)
+            else:
+                os.environ["RAY_AUTH_MODE"] = previous
+
+
+def _wait_for_stop() -> None:
+    """Block until Ctrl-C or SIGTERM (both end in a clean shutdown)."""
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        while not stop.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 if __name__ == "__main__":

@@ -1,0 +1,143 @@
+"""Metrics of a real workload, scraped from the Ray metrics port over HTTP.
+
+A second turn served from L3 by the other prefill worker must show up as cached storage
+tokens; a corrupted L3 record as a storage miss with reason ``verification_failed``. L3 is
+the ``disk`` backend, so the corruption is a flipped byte in a record file and the shard
+itself finds it (the tier's counts reach the metrics port through ``StorageStatsExporter``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pd_cache.cluster import ClusterConfig, PDCluster
+from pd_cache.model import Model, reference_generate
+from pd_cache.request import Req
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("ray.serve")
+
+from pd_cache.serve import StorageStatsExporter  # noqa: E402  (needs ray[serve])
+
+PS = 4
+CONFIG = ClusterConfig(num_prefill=2, num_decode=1, num_storage=1, model="tiny", page_size=PS,
+                       device_pages=64, host_pages=128, storage_timeout_s=5.0)
+VOCAB = CONFIG.pd_config.model.vocab_size
+
+
+@pytest.fixture(scope="module")
+def disk(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("l3")
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_cluster: Any, disk: Path) -> Iterator[PDCluster]:
+    c = PDCluster.start(dataclasses.replace(CONFIG, storage_backend="disk",
+                                            disk_path=str(disk)))
+    yield c
+    c.shutdown(check=True)
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(VOCAB) for _ in range(n)]
+
+
+def corrupt(disk: Path, names: list[bytes]) -> int:
+    """Flip the last payload byte of each named record file in place (what a bad disk
+    would do; the header still parses). Returns how many files it changed."""
+    changed = 0
+    for name in names:
+        for path in disk.rglob(f"{name.hex()}.*.rec"):
+            with path.open("r+b") as f:
+                f.seek(-1, os.SEEK_END)
+                byte = f.read(1)[0]
+                f.seek(-1, os.SEEK_END)
+                f.write(bytes([byte ^ 0xFF]))
+            changed += 1
+    return changed
+
+
+def worker_id(actor: Any) -> str:
+    return ray.get(actor.__ray_call__.remote(
+        lambda _: ray.get_runtime_context().get_worker_id()))
+
+
+def scrape(port: int, name: str, label: tuple[str, str], worker: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode("utf-8")
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            # NOTE: other tests share the cluster: count only the process we name.
+            if (s.name == name and s.labels.get(label[0]) == label[1]
+                    and s.labels.get("WorkerId") == worker):
+                total += s.value
+    return total
+
+
+def poll(port: int, name: str, label: tuple[str, str], worker: str, want: float) -> float:
+    deadline = time.monotonic() + 30
+    while True:
+        got = scrape(port, name, label, worker)
+        if got == want or time.monotonic() > deadline:
+            return got
+        time.sleep(0.5)
+
+
+def test_l3_reuse_and_a_corrupted_record_reach_the_metrics_port(cluster: PDCluster,
+                                                                 ray_cluster: Any,
+                                                                 disk: Path) -> None:
+    model = Model(CONFIG.pd_config.model)
+
+    def run(input_ids: list[int], worker: int) -> Any:
+        req = Req(rid=f"m{random.random()}", input_ids=input_ids, cache_salt="tenant-m",
+                  max_new_tokens=4)
+        out = cluster.generate(req, prefill_worker=worker)
+        ref = reference_generate(model, Req(rid="ref", input_ids=input_ids, max_new_tokens=4))
+        assert out.output_ids == ref.output_ids
+        cluster.flush()  # write-through and offload done before the next turn looks
+        return out
+
+    # Turn 1 on prefill 0; turn 2 on prefill 1, which has never seen it: L3 serves it.
+    turn1 = tokens(1, 21)
+    first = run(turn1, 0)
+    second = run(turn1 + first.output_ids + tokens(2, 5), 1)
+    assert second.cached_tokens["storage"] >= (len(turn1) // PS) * PS
+
+    # A prompt stored by prefill 0, its records corrupted in L3, then asked for by prefill 1:
+    # the tier refuses them (a miss), the worker recomputes, the output stays right.
+    other = tokens(3, 16)
+    run(other, 0)
+    names = cluster.router_names(Req(rid="n", input_ids=other, cache_salt="tenant-m"))
+    (tier,) = cluster.storage
+    assert corrupt(disk, names) == len(names)
+    again = run(other, 1)
+    assert again.cached_tokens["storage"] == 0
+    tier_stats = ray.get(tier.stats.remote())
+    failed = tier_stats["miss/verification_failed"]
+    assert failed >= 1
+
+    exporter = ray.remote(num_cpus=0)(StorageStatsExporter).remote(cluster.storage, "disk")
+    try:
+        assert ray.get(exporter.export.remote()) == 1
+        port = ray_cluster.metrics_port
+        storage_tokens = second.cached_tokens["storage"] + again.cached_tokens["storage"]
+        got = poll(port, "ray_pd_cache_cached_tokens_total", ("tier", "storage"),
+                   worker_id(cluster.prefill[1]), storage_tokens)
+        assert got == storage_tokens > 0
+        got = poll(port, "ray_pd_cache_storage_misses_total", ("reason", "verification_failed"),
+                   worker_id(exporter), failed)
+        assert got == failed > 0
+    finally:
+        ray.kill(exporter)

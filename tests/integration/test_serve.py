@@ -1,0 +1,236 @@
+"""The Serve application on the session's Ray cluster, over real HTTP on 127.0.0.1.
+
+Good requests must produce what the model produces with no cache at all; bad ones get
+400 (413 for the body) naming the field; a dead worker gets 503, not a hang.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import random
+import signal
+import socket
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import pytest
+import yaml
+
+from pd_cache.config import ModelConfig
+from pd_cache.model import Model, reference_generate
+from pd_cache.request import Req
+
+serve = pytest.importorskip("ray.serve")
+ray = pytest.importorskip("ray")
+
+from pd_cache.serve import AppArgs, app_builder  # noqa: E402  (needs ray[serve])
+
+SERVE_CONFIG = Path(__file__).resolve().parents[2] / "deployments" / "serve_config.yaml"
+ARGS = {"model": "tiny", "page_size": 4, "prefill_workers": 2, "decode_workers": 1,
+        "storage_shards": 1, "storage_backend": "memory", "storage_capacity_bytes": 1 << 26,
+        "prefetch_policy": "wait_complete", "device_pages": 64, "host_pages": 128,
+        "request_timeout_s": 20.0, "max_body_bytes": 64 * 1024, "metrics_interval_s": 1.0}
+MODEL = ModelConfig.preset("tiny")
+APP = "pd-cache-test"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _alive_actors(class_name: str) -> dict[str, int]:
+    """Actor id -> pid of every live actor of ``class_name`` (read from the GCS)."""
+    from ray._private import state
+
+    return {aid: info["Pid"] for aid, info in state.actors().items()
+            if info["ActorClassName"].endswith(class_name) and info["State"] == "ALIVE"}
+
+
+class Server(NamedTuple):
+    url: str
+    decode_pids: list[int]  # the app's decode worker processes
+    metrics_port: int
+
+
+@pytest.fixture(scope="module")
+def server(ray_cluster: Any) -> Iterator[Server]:
+    port = _free_port()
+    before = _alive_actors("DecodeActor")
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        serve.run(app_builder(ARGS), name=APP, route_prefix="/")
+        pids = [pid for aid, pid in _alive_actors("DecodeActor").items() if aid not in before]
+        yield Server(f"http://127.0.0.1:{port}", pids, ray_cluster.metrics_port)
+    finally:
+        serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model() -> Model:
+    return Model(MODEL)
+
+
+def call(url: str, body: Any = None, *, raw: bytes | None = None,
+         method: str | None = None) -> tuple[int, dict[str, Any]]:
+    data = raw if raw is not None else None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(MODEL.vocab_size) for _ in range(n)]
+
+
+def reference(model: Model, input_ids: list[int], max_new: int) -> list[int]:
+    return reference_generate(model, Req(rid="ref", input_ids=input_ids,
+                                         max_new_tokens=max_new)).output_ids
+
+
+def test_healthz(server: Server) -> None:
+    status, body = call(server.url + "/healthz")
+    assert (status, body["status"]) == (200, "ok")
+    assert (body["model"], body["prefill"], body["decode"], body["storage"]) == ("tiny", 2, 1, 1)
+
+
+def test_generate_equals_the_no_cache_model_and_reuses_turns(server: Server, model: Model) -> None:
+    prompt = tokens(1, 22)
+    status, first = call(server.url + "/v1/generate",
+                         {"input_ids": prompt, "max_new_tokens": 6, "cache_salt": "tenant-a",
+                          "rid": "conv-1/t0"})
+    assert status == 200, first
+    assert first["rid"] == "conv-1/t0"
+    assert first["output_ids"] == reference(model, prompt, 6)
+    assert first["num_prompt_tokens"] == 22 and first["ttft_ms"] > 0
+    assert set(first["cached_tokens"]) == {"device", "host", "storage"}
+
+    turn2 = prompt + first["output_ids"] + tokens(2, 5)
+    status, second = call(server.url + "/v1/generate",
+                          {"input_ids": turn2, "max_new_tokens": 6, "cache_salt": "tenant-a"})
+    assert status == 200, second
+    assert second["output_ids"] == reference(model, turn2, 6)
+    # The first turn's full prompt pages at least, from whichever tier holds them.
+    assert sum(second["cached_tokens"].values()) >= (len(prompt) // 4) * 4
+
+    # The same tokens in another tenant's namespace reuse nothing.
+    status, other = call(server.url + "/v1/generate",
+                         {"input_ids": prompt, "max_new_tokens": 6, "cache_salt": "tenant-b"})
+    assert status == 200 and sum(other["cached_tokens"].values()) == 0
+    assert other["output_ids"] == first["output_ids"]
+
+
+def test_the_replica_exports_l3_shard_counts(server: Server) -> None:
+    # The turns above stored pages in the app's memory shard; no other test of the session
+    # records a "stored" event for the memory backend.
+    from prometheus_client.parser import text_string_to_metric_families
+
+    deadline, stored = time.monotonic() + 30, 0.0
+    while stored == 0 and time.monotonic() < deadline:
+        url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            text = resp.read().decode("utf-8")
+        stored = sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                     if s.name == "ray_pd_cache_storage_events_total"
+                     and s.labels.get("event") == "stored"
+                     and s.labels.get("backend") == "memory")
+        time.sleep(0.5)
+    assert stored > 0
+
+
+GOOD = {"input_ids": [1, 2, 3], "max_new_tokens": 2}
+BAD_REQUESTS = [
+    ("malformed JSON", b'{"input_ids": [1, 2', "body"),
+    ("not an object", b"[1, 2, 3]", "body"),
+    ("input_ids a string", {"input_ids": "1 2 3"}, "input_ids"),
+    ("token a string", {"input_ids": [1, "2"]}, "input_ids[1]"),
+    ("token a bool", {"input_ids": [True]}, "input_ids[0]"),
+    ("max_new_tokens a string", {**GOOD, "max_new_tokens": "2"}, "max_new_tokens"),
+    ("max_new_tokens negative", {**GOOD, "max_new_tokens": -1}, "max_new_tokens"),
+    ("cache_salt a number", {**GOOD, "cache_salt": 7}, "cache_salt"),
+    ("missing input_ids", {"max_new_tokens": 2}, "input_ids"),
+    ("unknown field", {**GOOD, "prompt": "hi"}, "prompt"),
+    ("empty prompt", {"input_ids": []}, "input_ids"),
+    ("token beyond the vocabulary", {"input_ids": [1, MODEL.vocab_size]}, "input_ids[1]"),
+    ("negative token", {"input_ids": [1, 2, -5]}, "input_ids[2]"),
+    ("token beyond 2**32", {"input_ids": [2**40]}, "input_ids[0]"),
+    ("empty cache_salt", {**GOOD, "cache_salt": ""}, "cache_salt"),
+    ("extra_key too long", {**GOOD, "extra_key": "k" * 300}, "extra_key"),
+    ("empty rid", {**GOOD, "rid": ""}, "rid"),
+    ("prompt beyond the context", {"input_ids": [1] * MODEL.max_context}, "input_ids"),
+]
+
+
+@pytest.mark.parametrize("what, body, field", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_request_is_400_naming_the_field(server: Server, what: str, body: Any,
+                                             field: str) -> None:
+    raw = body if isinstance(body, bytes) else None
+    status, answer = call(server.url + "/v1/generate", None if raw else body, raw=raw)
+    assert status == 400, (what, answer)
+    assert answer["field"] == field, (what, answer)
+    assert answer["error"], what
+
+
+def test_oversized_body_is_413(server: Server) -> None:
+    ids = [1] * (ARGS["max_body_bytes"] // 2)  # "1, " per token: over the limit
+    status, answer = call(server.url + "/v1/generate", {"input_ids": ids})
+    assert (status, answer["field"]) == (413, "body"), answer
+    assert str(ARGS["max_body_bytes"]) in answer["error"]
+
+
+def test_unknown_route_and_wrong_method(server: Server) -> None:
+    assert call(server.url + "/v1/nothing")[0] == 404
+    status, answer = call(server.url + "/v1/generate", method="GET")
+    assert status == 405 and "POST" in answer["error"]
+
+
+def test_skipped_manifest_schema_check_now_runs() -> None:
+    from ray.serve.schema import ServeDeploySchema
+
+    schema = ServeDeploySchema.model_validate(yaml.safe_load(SERVE_CONFIG.read_text()))
+    assert schema.applications[0].import_path == "pd_cache.serve:app"
+
+
+def test_deployments_config_builds_through_app_builder() -> None:
+    config = yaml.safe_load(SERVE_CONFIG.read_text())
+    (entry,) = config["applications"]
+    module, attr = entry["import_path"].split(":")
+    builder = getattr(importlib.import_module(module), attr)
+    assert builder is app_builder
+    application = builder(entry["args"])
+    assert isinstance(application, serve.Application)
+    args = application._bound_deployment.init_args[0]  # what the ingress will start from
+    assert isinstance(args, AppArgs)
+    cfg = args.cluster_config()
+    assert (cfg.model, cfg.num_prefill, cfg.num_decode, cfg.num_storage, cfg.prefetch_policy) == (
+        entry["args"]["model"], entry["args"]["prefill_workers"],
+        entry["args"]["decode_workers"], entry["args"]["storage_shards"],
+        entry["args"]["prefetch_policy"])
+    with pytest.raises(ValueError, match="prefill_workers"):
+        builder({**entry["args"], "prefill_workers": "two"})
+    with pytest.raises(ValueError, match="replicas"):
+        builder({**entry["args"], "replicas": 3})
+
+
+def test_dead_worker_is_503_not_a_hang(server: Server) -> None:
+    # Last in the module: it breaks the app's only decode worker.
+    (pid,) = server.decode_pids
+    os.kill(pid, signal.SIGKILL)
+    start = time.monotonic()
+    status, answer = call(server.url + "/v1/generate", {"input_ids": tokens(3, 9)})
+    assert status == 503, answer
+    assert time.monotonic() - start < ARGS["request_timeout_s"] + 10
+    assert call(server.url + "/healthz")[0] == 503
+
