@@ -61,8 +61,18 @@ def measure(cfg: ClusterConfig, wl: WorkloadConfig) -> dict:
         "prompt_tokens": t["prompt_tokens"], "cached_fraction": cached / t["prompt_tokens"],
         "pages_handed_off": t["pages_handed_off"], "l3_writes": writes,
         "cross_namespace_tokens": t["cross_namespace_tokens"],
+        "phases_p50_s": phases(done),
         "outputs": {c.rid: c.output_ids for c in done},
     }
+
+
+def phases(done: list) -> dict[str, float]:
+    """Median seconds per phase: the prefill worker's own time, the wait for a prefill
+    worker (TTFT minus it, the router and Ray included), KV handoff, batched decode."""
+    return {"prefill": percentile([c.prefill_s for c in done], 50),
+            "prefill_queue": percentile([c.ttft_s - c.prefill_s for c in done], 50),
+            "handoff": percentile([c.handoff_s for c in done], 50),
+            "decode": percentile([c.decode_s for c in done], 50)}
 
 
 def main() -> None:
@@ -70,10 +80,17 @@ def main() -> None:
     parser.add_argument("--scale", type=int, default=1, help="multiply the tenants")
     parser.add_argument("--model", default="small")
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--decode-batch", type=int, default=ClusterConfig.decode_batch,
+                        help="requests a decode worker steps together (1: one at a time); "
+                             "the same in both modes")
+    parser.add_argument("--decode-pack", action=argparse.BooleanOptionalAction, default=True,
+                        help="route decode to the busiest worker with batch room (fuller "
+                             "batches) instead of the least loaded; the same in both modes")
     args = parser.parse_args()
     wl = WorkloadConfig(tenants=4 * args.scale, clients_per_tenant=2, system_tokens=1024,
                         rounds=args.rounds, user_tokens=256, output_tokens=32, seed=SEED)
-    base = ClusterConfig(model=args.model, device_pages=512, host_pages=2048)
+    base = ClusterConfig(model=args.model, device_pages=512, host_pages=2048,
+                         decode_batch=args.decode_batch, decode_pack=args.decode_pack)
     results = {}
     with ray_session(None):
         for mode, cache in (("on", True), ("off", False)):
@@ -84,11 +101,14 @@ def main() -> None:
                   f"{r['generated_tokens_per_s']:.1f} tok/s, TTFT p50 "
                   f"{r['ttft_p50_s'] * 1e3:.1f} ms p90 {r['ttft_p90_s'] * 1e3:.1f} ms, "
                   f"cached {r['cached_tokens']}", flush=True)
+            print("          phase p50 (ms): " + ", ".join(
+                f"{k} {v * 1e3:.0f}" for k, v in r["phases_p50_s"].items()), flush=True)
     on, off = results["on"], results["off"]
     same = on.pop("outputs") == off.pop("outputs")
     out = {
         "benchmark": "pd_cluster_multi_turn", "seed": SEED, "model": args.model,
-        "workload": wl.__dict__, "machine": {"cpus": os.cpu_count(),
+        "workload": wl.__dict__, "decode_batch": args.decode_batch,
+        "decode_pack": args.decode_pack, "machine": {"cpus": os.cpu_count(),
                                              "python": platform.python_version()},
         "on": on, "off": off, "outputs_equal": same,
         "throughput_ratio": on["requests_per_s"] / off["requests_per_s"],

@@ -25,6 +25,7 @@ from pd_cache.request import Req
 from pd_cache.workers import DecodeInfo, DecodeWorker, PrefillInfo, PrefillWorker, WorkerState
 
 ACTOR_ENV = {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1", "OMP_NUM_THREADS": "1"}
+DECODE_CONCURRENCY = 64   # decode calls one batching actor takes in at once
 
 
 def _storage_client(handles: Sequence[Any], config: PDCacheConfig,
@@ -43,7 +44,7 @@ class _Host:
 
     def __init__(self, worker_class: type, config: PDCacheConfig, worker: int,
                  storage_handles: Sequence[Any], threads: int,
-                 storage_timeout_s: float | None) -> None:
+                 storage_timeout_s: float | None, **worker_options: Any) -> None:
         from pd_cache.metrics import PDCacheMetrics
 
         torch.set_num_threads(threads)
@@ -54,7 +55,8 @@ class _Host:
         warnings.filterwarnings("ignore", message=".*non-writable tensors.*")
         storage = _storage_client(storage_handles, config, storage_timeout_s)
         self.worker = worker_class(config, worker=worker, metrics=PDCacheMetrics("auto"),
-                                   storage=storage, storage_timeout_s=storage_timeout_s or 30.0)
+                                   storage=storage, storage_timeout_s=storage_timeout_s or 30.0,
+                                   **worker_options)
 
     def page_names(self, req: Req) -> list[bytes]:
         return self.worker.page_names(req)
@@ -91,10 +93,14 @@ class PrefillActor(_Host):
 
 
 class DecodeActor(_Host):
+    """A threaded actor (``max_concurrency``): each ``decode`` call waits on its own
+    thread while the worker's batcher runs the steps of every call in flight together."""
+
     def __init__(self, config: PDCacheConfig, worker: int, storage_handles: Sequence[Any],
-                 threads: int = 1, storage_timeout_s: float | None = 10.0) -> None:
+                 threads: int = 1, storage_timeout_s: float | None = 10.0,
+                 max_batch: int = 1) -> None:
         super().__init__(DecodeWorker, config, worker, storage_handles, threads,
-                         storage_timeout_s)
+                         storage_timeout_s, max_batch=max_batch)
 
     def decode(self, req: Req, info: PrefillInfo, page_refs: list[Any]) -> DecodeInfo:
         start = time.perf_counter()
@@ -114,9 +120,9 @@ def _remote(cls: type) -> Any:
     return ray.remote(cls)
 
 
-def _options(num_cpus: float, max_restarts: int) -> dict[str, Any]:
+def _options(num_cpus: float, max_restarts: int, max_concurrency: int = 1) -> dict[str, Any]:
     return {"num_cpus": num_cpus, "max_restarts": max_restarts,
-            "runtime_env": {"env_vars": dict(ACTOR_ENV)}}
+            "max_concurrency": max_concurrency, "runtime_env": {"env_vars": dict(ACTOR_ENV)}}
 
 
 def prefill_actor(config: PDCacheConfig, worker: int, storage_handles: Sequence[Any] = (),
@@ -129,7 +135,12 @@ def prefill_actor(config: PDCacheConfig, worker: int, storage_handles: Sequence[
 
 def decode_actor(config: PDCacheConfig, worker: int, storage_handles: Sequence[Any] = (),
                  *, threads: int = 1, num_cpus: float = 0, max_restarts: int = 0,
-                 storage_timeout_s: float | None = 10.0) -> Any:
-    """A ``DecodeActor`` handle; ``decode.remote(req, info, [pages_ref])`` -> ``DecodeInfo``."""
-    return _remote(DecodeActor).options(**_options(num_cpus, max_restarts)).remote(
-        config, worker, list(storage_handles), threads, storage_timeout_s)
+                 storage_timeout_s: float | None = 10.0, max_batch: int = 1) -> Any:
+    """A ``DecodeActor`` handle; ``decode.remote(req, info, [pages_ref])`` -> ``DecodeInfo``.
+
+    ``max_batch > 1``: up to that many requests decode together; the actor then takes
+    more calls at once than it batches (the rest wait in the batcher's queue).
+    """
+    concurrency = 1 if max_batch == 1 else DECODE_CONCURRENCY
+    return _remote(DecodeActor).options(**_options(num_cpus, max_restarts, concurrency)).remote(
+        config, worker, list(storage_handles), threads, storage_timeout_s, max_batch)

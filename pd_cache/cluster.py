@@ -5,7 +5,8 @@ One request::
     generate_async(req)   admit (ValueError for a bad request), name its prompt pages
       -> prefill[p]       p = longest known prefix match in req's namespace, by load
          (info_ref, pages_ref)   await info: TTFT; pages stay in the object store
-      -> decode[d]        d = least loaded; fetches pages_ref itself, generates, offloads
+      -> decode[d]        d = least loaded; fetches pages_ref itself, generates (steps
+                          batched with its other requests in flight), offloads
       -> Completion       tokens, cached tokens by tier, pages moved, cross-namespace hits
 
 The router runs on one asyncio loop (no locks): ``generate`` and ``generate_many`` are
@@ -29,7 +30,7 @@ from pd_cache.config import (
 )
 from pd_cache.hashing import compute_prefix_hash
 from pd_cache.request import Req
-from pd_cache.router import PrefixRouter, ProvenanceLedger
+from pd_cache.router import PrefixRouter, Provenance, ProvenanceLedger
 from pd_cache.workers import TIERS, DecodeInfo, PrefillInfo, WorkerState
 
 
@@ -38,8 +39,12 @@ class ClusterConfig:
     """Counts, model preset, cache tiers, L3 backend and policies of one cluster.
 
     ``cache=False`` turns reuse off at every tier (no L1/L2 pages, no L3): the baseline.
-    ``num_storage=0`` runs without L3. ``actor_cpus`` is what each worker actor reserves
-    from Ray (0: place them regardless of the CPU count; they share the machine anyway).
+    ``num_storage=0`` runs without L3. ``decode_batch`` caps the requests a decode worker
+    steps together in one forward (continuous batching; 1 = one request at a time, in both
+    cache modes alike). ``decode_pack`` sends a request to the busiest decode worker whose
+    batch still has room (fuller batches) rather than the least loaded. ``actor_cpus`` is
+    what each worker actor reserves from Ray (0: place them regardless of the CPU count;
+    they share the machine anyway).
     """
 
     num_prefill: int = 2
@@ -57,15 +62,19 @@ class ClusterConfig:
     write_policy: str = "write_through"
     balance_threshold: int = 2
     threads: int = 1
+    decode_batch: int = 8
+    decode_pack: bool = False
     actor_cpus: float = 0.0
     storage_timeout_s: float = 10.0
     storage_restarts: int = 3
 
     def __post_init__(self) -> None:
-        for name in ("num_prefill", "num_decode", "threads"):
+        for name in ("num_prefill", "num_decode", "threads", "decode_batch"):
             check_int_at_least(name, getattr(self, name), 1)
         for name in ("num_storage", "balance_threshold", "storage_restarts"):
             check_int_at_least(name, getattr(self, name), 0)
+        if not isinstance(self.decode_pack, bool):
+            raise ValueError(f"decode_pack: expected a bool, got {self.decode_pack!r}")
         if not isinstance(self.actor_cpus, (int, float)) or self.actor_cpus < 0:
             raise ValueError(f"actor_cpus: expected a number >= 0, got {self.actor_cpus!r}")
         if not isinstance(self.storage_timeout_s, (int, float)) or self.storage_timeout_s <= 0:
@@ -114,6 +123,9 @@ class Completion(NamedTuple):
     pages_handed_off: int
     cross_namespace_tokens: int
     unattributed_tokens: int
+    prefill_s: float = 0.0   # the prefill worker's own time (match, L3, compute)
+    handoff_s: float = 0.0   # decode fetching the prompt's KV pages
+    decode_s: float = 0.0    # decode, batched with the other requests in flight
 
 
 class PageNames(NamedTuple):
@@ -155,7 +167,9 @@ class PDCluster:
         opts = {"threads": config.threads, "num_cpus": config.actor_cpus,
                 "storage_timeout_s": config.storage_timeout_s}
         prefill = [prefill_actor(pd, i, storage, **opts) for i in range(config.num_prefill)]
-        decode = [decode_actor(pd, i, storage, **opts) for i in range(config.num_decode)]
+        decode = [decode_actor(pd, i, storage, max_batch=config.decode_batch,
+                               **opts)
+                  for i in range(config.num_decode)]
         ray.get([a.ready.remote() for a in prefill + decode] + [s.ping.remote() for s in storage])
         return cls(config, prefill, decode, storage)
 
@@ -181,11 +195,12 @@ class PDCluster:
         """Serve one request; ``prefill_worker`` / ``decode_worker`` pin the route."""
         req = self.admit(req)
         start = time.perf_counter()
-        info, pages_ref = await self._prefill(req, prefill_worker)
+        info, pages_ref, seen = await self._prefill(req, prefill_worker)
         ttft = time.perf_counter() - start
         out = await self._decode(req, info, pages_ref, decode_worker)
         req.output_ids = list(out.output_ids)
-        return self._complete(req, info, out, ttft, time.perf_counter() - start)
+        self.ledger.add(req.namespace, out.page_names)
+        return self._complete(req, info, out, seen, ttft, time.perf_counter() - start)
 
     def generate(self, req: Req | Mapping[str, Any], **route: int | None) -> Completion:
         return asyncio.run(self.generate_async(req, **route))
@@ -199,22 +214,39 @@ class PDCluster:
                                         return_exceptions=return_exceptions)
         return asyncio.run(run())
 
-    async def _prefill(self, req: Req, pinned: int | None) -> tuple[PrefillInfo, Any]:
+    async def _prefill(self, req: Req,
+                       pinned: int | None) -> tuple[PrefillInfo, Any, Provenance]:
+        """Route, run prefill, and check where its cached pages came from.
+
+        The ledger learns the prompt's names as soon as prefill returns (not when decode
+        ends): a request routed by them may finish before this one does.
+        """
         names = self.router_names(req)
         worker = self.prefill_router.pick(names).worker if pinned is None else pinned
         self._check_worker("prefill_worker", worker, self.prefill)
         self.prefill_router.begin(worker)
+        # NOTE: the worker runs its calls in order, so once this one is queued, the next
+        # request with the same prefix finds these pages there: route it by them already
+        # (two clients of a tenant arriving together share the system prompt's compute).
+        self.prefill_router.record(worker, names)
         try:
             info_ref, pages_ref = self.prefill[worker].prefill.remote(req)
             info = await _unwrap(info_ref)
         finally:
             self.prefill_router.end(worker)
         self.prefill_router.record(worker, info.page_names)
-        return info, pages_ref
+        seen = self.ledger.check(req.namespace, info.page_names[:info.cached_pages])
+        self.ledger.add(req.namespace, info.page_names)
+        return info, pages_ref, seen
 
     async def _decode(self, req: Req, info: PrefillInfo, pages_ref: Any,
                       pinned: int | None) -> DecodeInfo:
-        worker = self.decode_router.least_loaded() if pinned is None else pinned
+        if pinned is not None:
+            worker = pinned
+        elif self.config.decode_pack and self.config.decode_batch > 1:
+            worker = self.decode_router.pack(self.config.decode_batch)
+        else:
+            worker = self.decode_router.least_loaded()
         self._check_worker("decode_worker", worker, self.decode)
         self.decode_router.begin(worker)
         try:
@@ -222,17 +254,15 @@ class PDCluster:
         finally:
             self.decode_router.end(worker)
 
-    def _complete(self, req: Req, info: PrefillInfo, out: DecodeInfo, ttft: float,
-                  latency: float) -> Completion:
-        ns, ps = req.namespace, info.page_size
-        seen = self.ledger.check(ns, info.page_names[:info.cached_pages])
-        self.ledger.add(ns, info.page_names)
-        self.ledger.add(ns, out.page_names)
+    def _complete(self, req: Req, info: PrefillInfo, out: DecodeInfo, seen: Provenance,
+                  ttft: float, latency: float) -> Completion:
+        ps = info.page_size
         return Completion(req.rid, list(out.output_ids), info.num_prompt_tokens,
                           dict(info.cached_tokens), info.worker,
                           out.worker, ttft, latency, out.pages_received,
                           (seen.foreign_pages + info.foreign_pages) * ps,
-                          seen.unattributed_pages * ps)
+                          seen.unattributed_pages * ps, info.compute_s, out.handoff_s,
+                          out.decode_s)
 
     @staticmethod
     def _check_worker(field: str, worker: Any, actors: list[Any]) -> None:

@@ -11,12 +11,15 @@ workers can run them in different processes, handing the prompt's KV pages acros
                   -> PrefillOutput(first token, prompt KV pages, names, cached tokens)
     decode(req, pages, n, first)  greedy/seeded steps over a private KV buffer; with L3
                   the DecodeOffloadManager backs up prompt and generated pages
+    start_decode / decode_step / finish_decode   the same, for several requests whose
+                  steps run batched in one forward (continuous batching, see batching.py)
 
 Not thread-safe: a worker drives it from one loop (L3 writes run on their own thread).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -31,6 +34,8 @@ from pd_cache.offload import DecodeOffloadManager, OffloadState
 from pd_cache.request import Req
 from pd_cache.stats import Stats
 from pd_cache.storage.base import StorageBackend
+
+DECODE = "decode"   # reasons: step (batched forwards), token (tokens they drew)
 
 
 class PrefillOutput(NamedTuple):
@@ -58,6 +63,23 @@ class Result(NamedTuple):
     output_ids: list[int]
     cached_tokens: dict[str, int]
     first_logits: torch.Tensor
+
+
+@dataclass(eq=False)
+class DecodeSeq:
+    """One request being decoded: its KV buffer, where the next token's KV goes, the
+    tokens drawn so far (``seq`` = prompt + tokens, kept for offload naming)."""
+
+    req: Req
+    buf: torch.Tensor
+    pos: int
+    tokens: list[int]
+    seq: list[int]
+    state: OffloadState | None
+
+    @property
+    def done(self) -> bool:
+        return len(self.tokens) >= self.req.max_new_tokens
 
 
 class LocalEngine:
@@ -181,7 +203,17 @@ class LocalEngine:
         ``prompt_kv_pages`` are treated as read-only (they may be a shared-memory view).
         Raises ``ValueError`` if they have the wrong shape, dtype or page count, or if
         ``num_prompt_tokens`` or ``first_token`` do not fit the request and the model.
+        One request alone; ``start_decode`` / ``decode_step`` / ``finish_decode`` run
+        several in one batch.
         """
+        seq = self.start_decode(req, prompt_kv_pages, num_prompt_tokens, first_token)
+        while not seq.done:
+            self.decode_step([seq])
+        return self.finish_decode(seq)
+
+    def start_decode(self, req: Req, prompt_kv_pages: torch.Tensor, num_prompt_tokens: int,
+                     first_token: int) -> DecodeSeq:
+        """Check the handoff, copy the prompt's KV into a private buffer, start offload."""
         self._admit(req)
         if num_prompt_tokens != len(req.input_ids):
             raise ValueError(f"num_prompt_tokens: {num_prompt_tokens} != prompt length "
@@ -195,27 +227,36 @@ class LocalEngine:
         state = None
         if self.offload is not None:
             state = self.offload.offload_kv_cache(req, prompt_kv_pages)
-        tokens = self._decode_steps(req, kv, first_token, state) if req.max_new_tokens else []
-        req.output_ids = tokens
-        return list(tokens)
-
-    def _decode_steps(self, req: Req, prompt_kv: torch.Tensor, first_token: int,
-                      state: OffloadState | None = None) -> list[int]:
-        n, steps = prompt_kv.shape[2], req.max_new_tokens
+        n, steps = num_prompt_tokens, req.max_new_tokens
         # NOTE: one buffer for the whole sequence; the last token's KV is never needed.
-        buf = prompt_kv.new_empty((*prompt_kv.shape[:2], n + steps - 1, *prompt_kv.shape[3:]))
-        buf[:, :, :n] = prompt_kv
-        tokens = [first_token]
-        for step in range(1, steps):
-            pos = n + step - 1
-            out = self.model([tokens[-1]], buf[:, :, :pos])
-            buf[:, :, pos:pos + 1] = out.kv
-            tokens.append(sample(out.logits[-1], req.sampling, step))
-            if state is not None:
-                self.offload.advance(state, req.input_ids + tokens, buf, pos + 1)
-        if state is not None:
-            self.offload.advance(state, req.input_ids + tokens, buf, n + steps - 1, final=True)
-        return tokens
+        buf = kv.new_empty((*kv.shape[:2], n + max(steps, 1) - 1, *kv.shape[3:]))
+        buf[:, :, :n] = kv
+        tokens = [first_token] if steps else []
+        return DecodeSeq(req, buf, n, tokens, list(req.input_ids) + tokens, state)
+
+    def decode_step(self, seqs: list[DecodeSeq]) -> None:
+        """One token for every unfinished sequence of ``seqs``, in one batched forward."""
+        live = [s for s in seqs if not s.done]
+        if not live:
+            return
+        logits = self.model.decode_step([s.tokens[-1] for s in live], [s.buf for s in live],
+                                        [s.pos for s in live])
+        self.stats.count(DECODE, "step")
+        self.stats.count(DECODE, "token", len(live))
+        for seq, row in zip(live, logits):
+            token = sample(row, seq.req.sampling, len(seq.tokens))
+            seq.tokens.append(token)
+            seq.seq.append(token)
+            seq.pos += 1
+            if seq.state is not None:
+                self.offload.advance(seq.state, seq.seq, seq.buf, seq.pos)
+
+    def finish_decode(self, seq: DecodeSeq) -> list[int]:
+        """Offload the last full pages; fills ``req.output_ids``; returns the tokens."""
+        if seq.state is not None and seq.req.max_new_tokens:
+            self.offload.advance(seq.state, seq.seq, seq.buf, seq.pos, final=True)
+        seq.req.output_ids = list(seq.tokens)
+        return list(seq.tokens)
 
     def _admit(self, req: Req) -> None:
         req.check_model(vocab_size=self.config.model.vocab_size,

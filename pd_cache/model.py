@@ -13,6 +13,7 @@ here) converts to and from pages ``[n, 2, L, page_size, Hkv, D]`` and checks the
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -77,8 +78,16 @@ class Rotary(nn.Module):
         """Rotate ``x`` ``[T, H, D]`` for positions ``start .. start + T - 1``."""
         end = start + x.shape[0]
         cos, sin = self.cos[start:end, None, :], self.sin[start:end, None, :]
-        x1, x2 = x.chunk(2, dim=-1)
-        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+        return _rotate(x, cos, sin)
+
+    def at(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` ``[B, H, D]``, row ``b`` for position ``positions[b]``."""
+        return _rotate(x, self.cos[positions][:, None, :], self.sin[positions][:, None, :])
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
 class Attention(nn.Module):
@@ -110,6 +119,27 @@ class Attention(nn.Module):
             attn_mask=_causal_mask(t, start), enable_gqa=True)
         return F.linear(out[0].transpose(0, 1).reshape(t, -1), self.wo), new
 
+    def step(self, x: torch.Tensor, bufs: Sequence[torch.Tensor], layer: int,
+             positions: list[int], pos: torch.Tensor) -> torch.Tensor:
+        """One new token per sequence: ``x`` ``[B, hidden]``; row ``b`` is at position
+        ``positions[b]`` of ``bufs[b]`` ``[2, L, >P, Hkv, D]``, whose KV it writes there and
+        then attends over (keys ``0 .. positions[b]``)."""
+        b, g = x.shape[0], self.num_heads // self.num_kv_heads
+        q = self.rotary.at(F.linear(x, self.wq).view(b, self.num_heads, self.head_dim), pos)
+        k = self.rotary.at(F.linear(x, self.wk).view(b, self.num_kv_heads, self.head_dim), pos)
+        v = F.linear(x, self.wv).view(b, self.num_kv_heads, self.head_dim)
+        new = torch.stack([k, v], dim=1).to(self.kv_dtype)   # [B, 2, Hkv, D]
+        outs = []
+        for i, (buf, p) in enumerate(zip(bufs, positions, strict=True)):
+            buf[:, layer, p] = new[i]
+            kv = buf[:, layer, :p + 1].float().transpose(1, 2)   # [2, Hkv, P + 1, D]
+            # NOTE: one query token: the g query heads of a KV group are folded into the
+            # query rows of that group (``[1, Hkv, g, D]``), so no mask and no GQA expansion.
+            outs.append(F.scaled_dot_product_attention(
+                q[i].view(1, self.num_kv_heads, g, self.head_dim), kv[0:1], kv[1:2]))
+        out = torch.cat(outs).reshape(b, -1)
+        return F.linear(out, self.wo)
+
 
 def _causal_mask(t: int, start: int) -> torch.Tensor | None:
     """Query i (position ``start + i``) sees keys ``0 .. start + i``; ``None`` = sees all."""
@@ -132,9 +162,17 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, past: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         attn, new = self.attn(self.attn_norm(x), past)
         x = x + attn
+        return self._mlp(x), new
+
+    def step(self, x: torch.Tensor, bufs: Sequence[torch.Tensor], layer: int,
+             positions: list[int], pos: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn.step(self.attn_norm(x), bufs, layer, positions, pos)
+        return self._mlp(x)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         h = self.mlp_norm(x)
-        x = x + F.linear(F.silu(F.linear(h, self.w_gate)) * F.linear(h, self.w_up), self.w_down)
-        return x, new
+        return x + F.linear(F.silu(F.linear(h, self.w_gate)) * F.linear(h, self.w_up),
+                            self.w_down)
 
 
 class Model(nn.Module):
@@ -175,6 +213,34 @@ class Model(nn.Module):
             new_kv.append(new)
         x = x if all_logits else x[-1:]
         return ForwardOutput(F.linear(self.norm(x), self.lm_head), torch.stack(new_kv, dim=1))
+
+    @torch.no_grad()
+    def decode_step(self, token_ids: Sequence[int], bufs: Sequence[torch.Tensor],
+                    positions: Sequence[int]) -> torch.Tensor:
+        """One token for each of ``B`` sequences in one forward; returns logits ``[B, V]``.
+
+        Sequence ``b`` has the KV of its first ``positions[b]`` tokens in ``bufs[b]``
+        ``[2, L, > positions[b], Hkv, D]`` (its own buffer, any length); its new token's KV
+        is written in place at ``positions[b]``. Linear layers run batched, attention per
+        sequence (each over its own length): the decode half of continuous batching.
+        Raises ``ValueError`` for a token id outside the vocabulary or a buffer of the
+        wrong shape, dtype or length.
+        """
+        ids = self._check_ids(token_ids)
+        positions = [int(p) for p in positions]
+        if not len(ids) == len(bufs) == len(positions):
+            raise ValueError(f"decode_step: {len(ids)} tokens, {len(bufs)} buffers and "
+                             f"{len(positions)} positions differ in number")
+        for i, (buf, p) in enumerate(zip(bufs, positions)):
+            check_kv(buf, self.cfg, field=f"bufs[{i}]")
+            if not 0 <= p < min(buf.shape[2], self.cfg.max_context):
+                raise ValueError(f"positions[{i}]: {p} is outside buffer of {buf.shape[2]} "
+                                 f"tokens (model context {self.cfg.max_context})")
+        pos = torch.tensor(positions, device=self.device)
+        x = self.embed[ids]
+        for layer, block in enumerate(self.blocks):
+            x = block.step(x, bufs, layer, positions, pos)
+        return F.linear(self.norm(x), self.lm_head)
 
     def _check_ids(self, token_ids: Any) -> torch.Tensor:
         ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device)

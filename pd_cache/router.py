@@ -62,6 +62,14 @@ class PrefixRouter:
     def least_loaded(self) -> int:
         return min(range(len(self.loads)), key=lambda w: (self.loads[w], w))
 
+    def pack(self, limit: int) -> int:
+        """The busiest worker still below ``limit`` requests (its next batch has room),
+        else the least loaded: keeps decode batches full instead of spreading them thin."""
+        room = [w for w in range(len(self.loads)) if self.loads[w] < limit]
+        if not room:
+            return self.least_loaded()
+        return min(room, key=lambda w: (-self.loads[w], w))
+
     def begin(self, worker: int) -> None:
         self.loads[worker] += 1
 

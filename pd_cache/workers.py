@@ -14,12 +14,14 @@ cached page under any other name is counted in ``PrefillInfo.foreign_pages``.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, NamedTuple
 
 import msgspec
 import torch
 
+from pd_cache.batching import DecodeBatcher
 from pd_cache.config import PDCacheConfig
 from pd_cache.controller import OFFLOAD
 from pd_cache.engine import LocalEngine
@@ -189,6 +191,14 @@ class DecodeWorker(_Worker):
 
     role = "decode"
 
+    def __init__(self, config: PDCacheConfig, *, max_batch: int = 1, **kwargs: Any) -> None:
+        """``max_batch > 1``: concurrent ``decode`` calls share batched forward steps
+        (``DecodeBatcher``); ``1``: each call decodes alone on the caller's thread."""
+        super().__init__(config, **kwargs)
+        self.batcher = DecodeBatcher(self.engine, max_batch=max_batch) if max_batch > 1 \
+            else None
+        self._record_lock = threading.Lock()
+
     def decode(self, req: Req, info: PrefillInfo, kv_pages: torch.Tensor,
                handoff_s: float = 0.0) -> DecodeInfo:
         """Raises ``ValueError`` if the pages or ``info`` do not fit the request."""
@@ -197,13 +207,20 @@ class DecodeWorker(_Worker):
         # NOTE: received pages may be a read-only view of shared memory. The engine never
         # writes into them: decode copies them into its own KV buffer, offload clones.
         start = time.perf_counter()
-        tokens = self.engine.decode(req, kv_pages, info.num_prompt_tokens, info.first_token)
+        run = self.engine.decode if self.batcher is None else self.batcher.decode
+        tokens = run(req, kv_pages, info.num_prompt_tokens, info.first_token)
         seconds = time.perf_counter() - start
         names = tuple(self.chain_names(req, req.input_ids + tokens))
         result = DecodeInfo(req.rid, self.worker, tokens, int(kv_pages.shape[0]), names,
                             handoff_s, seconds)
-        self._record(req, result, kv_pages)
+        with self._record_lock:   # calls may run on several threads; metrics deltas may not
+            self._record(req, result, kv_pages)
         return result
+
+    def close(self) -> None:
+        if self.batcher is not None:
+            self.batcher.close()
+        super().close()
 
     def page_names(self, req: Req) -> list[bytes]:
         """The prompt page names the offload manager writes under (the engine's without L3)."""

@@ -175,3 +175,22 @@ def test_bad_requests_fail_alone(cluster: PDCluster, model: Model) -> None:
     with pytest.raises(ValueError, match="prefill_worker"):
         cluster.generate(req(tokens(5, 5)), prefill_worker=9)
     assert_idle(cluster)
+
+
+def test_decode_calls_in_flight_share_batched_steps(cluster: PDCluster, model: Model) -> None:
+    """Decode calls sent together to one actor run as one continuous batch (the actor
+    takes them concurrently); each answer still equals the no-cache output."""
+    reqs = [req(tokens(300 + i, 9 + 2 * i), max_new=16) for i in range(6)]
+    before = sum(s.get("decode/step", 0) for s in cluster.engine_stats().values())
+
+    async def run() -> list[Any]:
+        prefilled = await asyncio.gather(*(cluster._prefill(r, None) for r in reqs))
+        return await asyncio.gather(*(cluster._decode(r, info, ref, 0)
+                                      for r, (info, ref, _) in zip(reqs, prefilled)))
+
+    outs = asyncio.run(run())
+    for r, out in zip(reqs, outs):
+        assert out.output_ids == expected(model, r), r.rid
+    steps = sum(s.get("decode/step", 0) for s in cluster.engine_stats().values()) - before
+    assert steps < sum(r.max_new_tokens - 1 for r in reqs)
+    assert_idle(cluster)

@@ -274,3 +274,46 @@ def test_close_reports_a_leaked_lock() -> None:
         engine.close()
     engine.cache.unlock(node)
     engine.close()
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
+def test_batched_decode_steps_equal_reference_request_by_request(kv_dtype: str) -> None:
+    """Requests of different lengths, answer sizes and samplers decode in shared forwards,
+    joining and leaving the batch at different steps; each equals its no-cache output."""
+    engine = LocalEngine(config(device=64, host=0, kv_dtype=kv_dtype))
+    ref = Reference(engine.model)
+    rng = random.Random(7)
+    reqs = [req(i, [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 30))],
+                max_new=rng.randrange(0, 9),
+                sampling=SamplingParams(temperature=0.9 * (i % 2), seed=i)) for i in range(7)]
+    outs = [engine.prefill(r) for r in reqs]
+    seqs, pending = [], list(zip(reqs, outs))
+    while pending or any(not s.done for s in seqs):
+        if pending:   # one more joins before every step
+            r, o = pending.pop()
+            seqs.append(engine.start_decode(r, o.kv_pages, o.num_prompt_tokens, o.first_token))
+        engine.decode_step(seqs)
+    for s in seqs:
+        got = engine.finish_decode(s)
+        want = ref(s.req.input_ids, s.req.max_new_tokens, s.req.sampling).output_ids
+        assert got == want == s.req.output_ids, s.req.rid
+    stats = engine.stats.snapshot()
+    assert stats["decode/token"] == sum(max(r.max_new_tokens - 1, 0) for r in reqs)
+    assert stats["decode/step"] < stats["decode/token"]   # some steps ran several requests
+    assert_quiescent(engine)
+    engine.close()
+
+
+def test_decode_step_rejects_mismatched_batches() -> None:
+    engine = LocalEngine(config())
+    cfg = engine.config.model
+    buf = torch.zeros(2, cfg.num_layers, 4, cfg.num_kv_heads, cfg.head_dim)
+    with pytest.raises(ValueError, match="differ in number"):
+        engine.model.decode_step([1, 2], [buf], [0])
+    with pytest.raises(ValueError, match=r"positions\[0\]: 4"):
+        engine.model.decode_step([1], [buf], [4])
+    with pytest.raises(ValueError, match=r"bufs\[0\]"):
+        engine.model.decode_step([1], [buf.to(torch.bfloat16)], [0])
+    with pytest.raises(ValueError, match="token_ids"):
+        engine.model.decode_step([VOCAB], [buf], [0])
+    engine.close()

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import random
 import re
+import threading
+import time
 
+import msgspec
 import pytest
 import torch
 
@@ -138,3 +141,59 @@ def test_ledger_flags_names_shared_between_namespaces() -> None:
     ledger.add(b, own[:1])
     assert ledger.check(a, own) == (1, 0) and ledger.shared_names() == 1
     assert ledger.check(a, [b"\x00" * 16]) == (0, 1)
+
+
+def test_concurrent_decodes_share_batches_and_fail_alone(model: Model) -> None:
+    """Decode calls from several threads step together; a bad handoff fails only its own
+    caller; every good answer equals the no-cache output; the batcher stops on close."""
+    p = PrefillWorker(CONFIG)
+    d = DecodeWorker(CONFIG, max_batch=3, metrics=PDCacheMetrics("prometheus"))
+    reqs = [Req(rid=f"c{i}", input_ids=prompt(40 + i, 6 + 3 * i), max_new_tokens=3 + i)
+            for i in range(6)]
+    handoffs = [p.prefill(r) for r in reqs]
+    bad = handoffs[2].info.__class__(**{**msgspec.structs.asdict(handoffs[2].info),
+                                        "num_prompt_tokens": 1})
+    results: dict[str, object] = {}
+
+    def call(i: int) -> None:
+        info = bad if i == 2 else handoffs[i].info
+        try:
+            results[reqs[i].rid] = d.decode(reqs[i], info, handoffs[i].kv_pages).output_ids
+        except ValueError as e:
+            results[reqs[i].rid] = e
+
+    # NOTE: the first request's start waits until every other call is queued, so the
+    # batches that follow are not left to thread timing.
+    gate, start = threading.Event(), d.engine.start_decode
+    d.engine.start_decode = lambda *a: gate.wait(30) and start(*a)
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(reqs))]
+    for t in threads:
+        t.start()
+    while d.batcher._queue.qsize() < len(reqs) - 1:
+        time.sleep(0.001)
+    gate.set()
+    for t in threads:
+        t.join(timeout=60)
+    assert isinstance(results.pop("c2"), ValueError)
+    for r in reqs:
+        if r.rid != "c2":
+            assert results[r.rid] == reference_generate(model, r).output_ids, r.rid
+    stats = d.engine_stats()
+    assert stats["decode/step"] < stats["decode/token"]   # some forwards ran several
+    for w in (p, d):
+        w.close()
+    assert not d.batcher._thread.is_alive()
+    with pytest.raises(RuntimeError, match="closed"):
+        d.batcher.submit(reqs[0], handoffs[0].kv_pages, 6, handoffs[0].info.first_token)
+
+
+def test_decode_router_packs_until_the_batch_is_full() -> None:
+    router = PrefixRouter(2, 0)
+    picks = []
+    for _ in range(5):
+        w = router.pack(limit=2)
+        router.begin(w)
+        picks.append(w)
+    assert picks == [0, 0, 1, 1, 0]   # fill worker 0, then 1; both full: least loaded
+    router.end(1), router.end(1)
+    assert router.loads == [3, 0] and router.pack(limit=2) == 1
