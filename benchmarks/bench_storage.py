@@ -2,14 +2,23 @@
 
 128 MiB of KV pages of an 8B-class layout (32 layers, 8 KV heads, head_dim 128, bfloat16,
 16 tokens a page: 2 MiB a page), measured side by side in one run:
-  memcpy      copy the pages into a preallocated pool in this process (the baseline;
-              torch copy_, all threads; a single-threaded numpy copy is reported too)
+  memcpy      copy the pages into a preallocated, faulted-in pool in this process, four
+              ways: torch copy_ with torch's threads (2 here) and with one thread, numpy
+              copyto and ctypes.memmove; the baseline (``get_vs_memcpy``) is the fastest
+              of the four in each run; ``*_vs_memcpy_1thread`` compares with the fastest
+              single-threaded one
   set         StorageClient.batch_set, in batches, fresh page names every repetition
-  get         StorageClient.batch_get of the same pages (zero-copy views on arrival)
+  get         StorageClient.batch_get of the same pages: the shard lends object refs, the
+              client maps the records and verifies every one (checksums included)
   get+copy    get, then copy every page into the pool (what a worker does with them)
+  get (pipelined)  submit_get of every batch first, then collect them in order (how the
+              cache controller prefetches); reported beside, not used for the target
+  get by value     (1 shard) the previous path: StorageTier.batch_get_v2 verifies in the
+              actor and returns the records by value (one copy through the object store)
 through 1 and 2 tier actors (memory backend), plus batch_exists latency for 1,024
 stored keys (small pages) and a transport check: the same 128 MiB returned by an actor
-as bare tensors with and without RAY_ENABLE_ZERO_COPY_TORCH_TENSORS, and as PageRecords.
+as bare tensors with and without RAY_ENABLE_ZERO_COPY_TORCH_TENSORS, as PageRecords by
+value, and as refs to PageRecords the actor put once (fetched, not verified).
 
     python benchmarks/bench_storage.py [--repeats R] [--batch-pages B]
 
@@ -19,6 +28,7 @@ Starts its own local Ray cluster (authentication off, no dashboard) and shuts it
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import statistics
@@ -32,7 +42,7 @@ import torch
 
 from pd_cache.config import CacheConfig, KVLayout, ModelConfig, PDCacheConfig, StorageConfig
 from pd_cache.hashing import namespace_seed, page_hashes
-from pd_cache.storage import PageRecord, make_record
+from pd_cache.storage import PageRecord, PoolTransfer, make_record
 from pd_cache.storage.client import StorageClient
 from pd_cache.storage.tier import ACTOR_ENV, storage_actors
 
@@ -85,24 +95,26 @@ def bench_shards(num_shards: int, payloads: list[torch.Tensor], pool: torch.Tens
     cfg = config(BIG_MODEL, num_shards)
     handles = storage_actors(cfg)
     client = StorageClient(handles, timeout_s=120)
-    sets, gets, get_copies, memcpys, memcpys_1t = [], [], [], [], []
+    ops = ("set", "get", "get_copy", "get_pipelined", "get_by_value", *COPIES)
+    times: dict[str, list[float]] = {k: [] for k in ops}
     try:
         for rep in range(repeats + 1):  # the first repetition warms up and is dropped
             records = chain_records(cfg.layout, payloads, f"rep{num_shards}-{rep}")
             batches = in_batches(records, batch_pages)
-            t_set = timed(set_all, client, batches)
-            t_get = timed(get_all, client, batches)
-            t_get_copy = timed(get_and_copy, client, batches, pool)
-            t_memcpy = timed(copy_pages, payloads, pool)
-            t_memcpy_1t = timed(copy_pages_one_thread, payloads, pool)
+            run = {"set": timed(set_all, client, batches),
+                   "get": timed(get_all, client, batches),
+                   "get_copy": timed(get_and_copy, client, batches, pool),
+                   "get_pipelined": timed(get_pipelined, client, batches),
+                   "get_by_value": timed(get_by_value, handles[0], batches)
+                   if num_shards == 1 else 0.0}
+            run.update({k: timed(copy, payloads, pool) for k, copy in COPIES.items()})
             if rep:
-                sets.append(t_set), gets.append(t_get), get_copies.append(t_get_copy)
-                memcpys.append(t_memcpy), memcpys_1t.append(t_memcpy_1t)
+                for k, t in run.items():
+                    times[k].append(t)
         check_round_trip(client, records)
     finally:
         kill_all(handles)
-    return rates({"set": sets, "get": gets, "get_copy": get_copies, "memcpy": memcpys,
-                  "memcpy_1thread": memcpys_1t})
+    return rates(times)
 
 
 def set_all(client: StorageClient, batches: list[list[PageRecord]]) -> None:
@@ -115,6 +127,20 @@ def get_all(client: StorageClient, batches: list[list[PageRecord]]) -> None:
         assert all(r is not None for r in client.batch_get([r.name for r in b]))
 
 
+def get_pipelined(client: StorageClient, batches: list[list[PageRecord]]) -> None:
+    pending = [client.submit_get([r.name for r in b]) for b in batches]
+    for p in pending:
+        assert all(r is not None for r in p.result())
+
+
+def get_by_value(handle: Any, batches: list[list[PageRecord]]) -> None:
+    import ray
+
+    for b in batches:
+        got = ray.get(handle.batch_get_v2.remote([PoolTransfer("kv", [r.name for r in b])]))
+        assert all(r is not None for r in got[0].pages)
+
+
 def get_and_copy(client: StorageClient, batches: list[list[PageRecord]],
                  pool: torch.Tensor) -> None:
     slot = 0
@@ -125,14 +151,34 @@ def get_and_copy(client: StorageClient, batches: list[list[PageRecord]],
 
 
 def copy_pages(payloads: list[torch.Tensor], pool: torch.Tensor) -> None:
+    """torch copy_ (may use several threads for a 2 MiB page)."""
     for i, p in enumerate(payloads):
         pool[i].copy_(p)
 
 
-def copy_pages_one_thread(payloads: list[torch.Tensor], pool: torch.Tensor) -> None:
-    """A plain single-threaded memcpy (numpy), beside torch's multi-threaded copy_."""
+def copy_pages_numpy(payloads: list[torch.Tensor], pool: torch.Tensor) -> None:
     for i, p in enumerate(payloads):
         np.copyto(pool[i].view(torch.uint8).numpy(), p.view(torch.uint8).numpy())
+
+
+def copy_pages_memmove(payloads: list[torch.Tensor], pool: torch.Tensor) -> None:
+    """libc memmove, single-threaded: the plainest copy there is."""
+    for i, p in enumerate(payloads):
+        ctypes.memmove(pool[i].data_ptr(), p.data_ptr(), p.numel() * p.element_size())
+
+
+def copy_pages_torch_1thread(payloads: list[torch.Tensor], pool: torch.Tensor) -> None:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        copy_pages(payloads, pool)
+    finally:
+        torch.set_num_threads(threads)
+
+
+COPIES = {"memcpy_torch": copy_pages, "memcpy_torch_1thread": copy_pages_torch_1thread,
+          "memcpy_numpy": copy_pages_numpy, "memcpy_memmove": copy_pages_memmove}
+ONE_THREAD = ("memcpy_torch_1thread", "memcpy_numpy", "memcpy_memmove")
 
 
 def check_round_trip(client: StorageClient, records: list[PageRecord]) -> None:
@@ -142,12 +188,19 @@ def check_round_trip(client: StorageClient, records: list[PageRecord]) -> None:
                                              r.payload().view(torch.uint8))
 
 
-def rates(times: dict[str, list[float]]) -> dict[str, float]:
-    med = {k: statistics.median(v) for k, v in times.items()}
-    out = {f"{k}_gbps": TOTAL_BYTES / t / GB for k, t in med.items()}
-    for k in ("set", "get", "get_copy"):
-        out[f"{k}_vs_memcpy"] = med["memcpy"] / med[k]
-        out[f"{k}_vs_memcpy_1thread"] = med["memcpy_1thread"] / med[k]
+def rates(times: dict[str, list[float]]) -> dict[str, Any]:
+    """GB/s from median times; ratios against the fastest plain copy of this run."""
+    med = {k: statistics.median(v) for k, v in times.items() if any(v)}
+    out: dict[str, Any] = {f"{k}_gbps": TOTAL_BYTES / t / GB for k, t in med.items()}
+    baseline = min(COPIES, key=lambda k: med[k])
+    single = min(ONE_THREAD, key=lambda k: med[k])
+    out.update(memcpy_gbps=out[f"{baseline}_gbps"], memcpy_baseline=baseline,
+               memcpy_1thread_gbps=out[f"{single}_gbps"], memcpy_1thread_baseline=single)
+    for k in ("set", "get", "get_copy", "get_pipelined", "get_by_value"):
+        if k not in med:
+            continue
+        out[f"{k}_vs_memcpy"] = med[baseline] / med[k]
+        out[f"{k}_vs_memcpy_1thread"] = med[single] / med[k]
     return out
 
 
@@ -174,11 +227,14 @@ def bench_exists(repeats: int) -> dict[str, float]:
 
 
 class Holder:
-    """Returns the same pages three ways (the transport check)."""
+    """Returns the same pages four ways (the transport check)."""
 
     def __init__(self, payloads: list[torch.Tensor], records: list[PageRecord]) -> None:
+        import ray
+
         self.payloads = [p.clone() for p in payloads]
         self.records = [PageRecord(r.header, (p,)) for r, p in zip(records, self.payloads)]
+        self.refs = [ray.put(r) for r in self.records]
 
     def tensors(self, lo: int, hi: int) -> list[torch.Tensor]:
         return self.payloads[lo:hi]
@@ -186,12 +242,17 @@ class Holder:
     def records_(self, lo: int, hi: int) -> list[PageRecord]:
         return self.records[lo:hi]
 
+    def refs_(self, lo: int, hi: int) -> list[Any]:
+        return self.refs[lo:hi]
+
 
 def fetch_all(fetch: Any, n: int, batch_pages: int) -> None:
     import ray
 
     for lo in range(0, n, batch_pages):
-        ray.get(fetch.remote(lo, lo + batch_pages))
+        got = ray.get(fetch.remote(lo, lo + batch_pages))
+        if isinstance(got[0], ray.ObjectRef):
+            ray.get(got)
 
 
 def bench_transport(payloads: list[torch.Tensor], records: list[PageRecord], repeats: int,
@@ -201,7 +262,8 @@ def bench_transport(payloads: list[torch.Tensor], records: list[PageRecord], rep
     out = {}
     for label, env, method in (("tensor_pickled", {}, "tensors"),
                                ("tensor_zero_copy_env", ACTOR_ENV, "tensors"),
-                               ("page_record_uint8_views", {}, "records_")):
+                               ("page_record_uint8_views", {}, "records_"),
+                               ("page_record_lent_refs", {}, "refs_")):
         actor = ray.remote(Holder).options(runtime_env={"env_vars": env}, num_cpus=0).remote(
             payloads, records)
         fetch = getattr(actor, method)
@@ -242,17 +304,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {
         "seed": SEED, "total_bytes": TOTAL_BYTES, "page_bytes": page_bytes, "pages": n,
         "batch_pages": args.batch_pages, "repeats": args.repeats,
+        "torch_threads": torch.get_num_threads(),
         "page_shape": list(layout.page_shape), "kv_dtype": layout.kv_dtype, "shards": {},
     }
     for shards in (1, 2):
         r = bench_shards(shards, payloads, pool, args.repeats, args.batch_pages)
         results["shards"][shards] = r
-        print(f"{shards} shard(s): memcpy {r['memcpy_gbps']:.2f} GB/s | "
+        print(f"{shards} shard(s): memcpy {r['memcpy_gbps']:.2f} GB/s "
+              f"({r['memcpy_baseline']}; torch {r['memcpy_torch_gbps']:.2f}, torch 1-thread "
+              f"{r['memcpy_torch_1thread_gbps']:.2f}, numpy {r['memcpy_numpy_gbps']:.2f}, "
+              f"memmove {r['memcpy_memmove_gbps']:.2f}) | "
               f"set {r['set_gbps']:.2f} GB/s ({r['set_vs_memcpy']:.2f}x) | "
               f"get {r['get_gbps']:.2f} GB/s ({r['get_vs_memcpy']:.2f}x) | "
               f"get+copy {r['get_copy_gbps']:.2f} GB/s ({r['get_copy_vs_memcpy']:.2f}x) | "
-              f"1-thread memcpy {r['memcpy_1thread_gbps']:.2f} GB/s, get "
-              f"{r['get_vs_memcpy_1thread']:.2f}x of it")
+              f"get pipelined {r['get_pipelined_gbps']:.2f} GB/s "
+              f"({r['get_pipelined_vs_memcpy']:.2f}x) | vs the fastest 1-thread copy: get "
+              f"{r['get_vs_memcpy_1thread']:.2f}x"
+              + (f" | previous path (by value) {r['get_by_value_gbps']:.2f} GB/s "
+                 f"({r['get_by_value_vs_memcpy']:.2f}x)" if "get_by_value_gbps" in r else ""))
     exists = bench_exists(args.repeats)
     print("batch_exists(1024 keys): " + ", ".join(f"{k} {v:.2f}" for k, v in exists.items()))
     transport = bench_transport(payloads, chain_records(layout, payloads, "transport"),
@@ -261,6 +330,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                      for k, v in transport.items()))
     one = results["shards"][1]
     results.update(exists, transport=transport, memcpy_gbps=one["memcpy_gbps"],
+                   memcpy_baseline=one["memcpy_baseline"], get_gbps=one["get_gbps"],
                    get_vs_memcpy=one["get_vs_memcpy"], set_vs_memcpy=one["set_vs_memcpy"],
                    get_vs_memcpy_1thread=one["get_vs_memcpy_1thread"],
                    exists_1024_ms=exists["exists_1024_ms_1_shard"],

@@ -1,7 +1,9 @@
 """L3 storage: verified page records, ``memory`` and ``disk`` backends, sharded tier actors.
 
 Backends come from a small registry with lazy imports: adding one is one module with a
-``LocalBackend`` subclass (or any ``StorageBackend``) and one line in ``BACKENDS``.
+``LocalBackend`` subclass (or any ``StorageBackend``) and one line in ``BACKENDS``. Inside a
+Ray process a tier's ``memory`` backend is ``shared.SharedMemoryBackend``, which lends
+records to readers through the object store (see ``pd_cache.storage.shared``).
 """
 
 from __future__ import annotations

@@ -10,13 +10,18 @@ split per shard, sent to all of them at once and merged back in key order::
 
 Expected priors are computed here, over the whole batch, and sent with each shard's
 keys, so the chain check holds although no shard sees consecutive keys.
+
+A ``memory`` shard answers a get with object refs (``pd_cache.storage.shared``): the
+client maps the records from the node's object store and verifies each one itself before
+returning it; a record that fails is a miss and the shard is told to discard it.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import xxhash
 
@@ -31,11 +36,18 @@ from pd_cache.storage.base import (
     Usage,
 )
 from pd_cache.storage.batch import Batch, check_batch
+from pd_cache.storage.shared import Received, SharedPages, receive
+
+if TYPE_CHECKING:
+    from pd_cache.config import KVLayout
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Plan = dict[int, list[tuple[int, list[int]]]]  # shard -> [(transfer index, key positions)]
+# A step run on each shard's answer once it arrived (with the call's deadline): the
+# answer to merge, and a fault if part of it could not be used.
+Resolve = Callable[[int, Any, float | None], tuple[Any, ShardFault | None]]
 
 
 def rendezvous(name: bytes, num_shards: int) -> int:
@@ -52,15 +64,19 @@ class StorageClient(StorageBackend):
     A shard that is dead or slower than the timeout never raises and never hangs: its keys
     are misses, counted here by reason (``storage_error`` / ``timeout``), and the
     ``submit_*`` variants list it in :attr:`Pending.faults`.
+
+    Records a shard lends by reference are verified here against ``layout`` (the shard's
+    own layout when ``None``); received payloads are read-only views of shared memory.
     """
 
     def __init__(self, handles: Sequence[Any], *, algo: str = "xxh3_128",
-                 timeout_s: float | None = 30.0) -> None:
+                 timeout_s: float | None = 30.0, layout: KVLayout | None = None) -> None:
         if not handles:
             raise ValueError("handles: expected at least one StorageTier actor")
         if timeout_s is not None and not timeout_s > 0:
             raise ValueError(f"timeout_s: expected a number > 0 or None, got {timeout_s!r}")
         self.handles, self.algo, self.timeout_s = list(handles), algo, timeout_s
+        self.layout = layout
         self._stats = Stats()
         self._warned: set[tuple[int, MissReason]] = set()
 
@@ -71,7 +87,7 @@ class StorageClient(StorageBackend):
         from pd_cache.storage.tier import storage_actors
 
         return cls(storage_actors(config, name, detached=detached, **options),
-                   algo=config.cache.hash_algo, timeout_s=timeout_s)
+                   algo=config.cache.hash_algo, timeout_s=timeout_s, layout=config.layout)
 
     # -- sync: submit and wait --------------------------------------------------------------
     def batch_exists_v2(self, transfers: Sequence[PoolTransfer],
@@ -102,10 +118,13 @@ class StorageClient(StorageBackend):
                       extra_info: ExtraInfo | None = None) -> Pending[list[PoolTransfer]]:
         batches = check_batch(transfers, extra_info, self.algo, with_pages=False)
         plan = self._plan(batches)
-        refs = {s: self.handles[s].batch_get_v2.remote(_share(batches, parts), extra_info)
+        refs = {s: self.handles[s].batch_get_shared_v2.remote(_share(batches, parts),
+                                                               extra_info)
                 for s, parts in plan.items()}
         merge = _merger(batches, plan, None, lambda b, pages: PoolTransfer(b.pool, b.keys, pages))
-        return _FanOut(refs, merge, self._fault_counter(plan, Event.MISS), self.timeout_s)
+        rid = extra_info.request_id if extra_info else None
+        return _FanOut(refs, merge, self._fault_counter(plan, Event.MISS), self.timeout_s,
+                       resolve=self._receiver(batches, plan, rid))
 
     def submit_set_v2(self, transfers: Sequence[PoolTransfer],
                       extra_info: ExtraInfo | None = None) -> Pending[list[list[bool]]]:
@@ -150,14 +169,48 @@ class StorageClient(StorageBackend):
                 plan.setdefault(s, []).append((j, pos))
         return plan
 
+    def _receiver(self, batches: list[Batch], plan: Plan, rid: str | None) -> Resolve:
+        """Turns a shard's get answer into verified pages per part of the plan."""
+        def resolve(shard: int, answer: list[SharedPages], deadline: float | None
+                    ) -> tuple[list[list[Any]], ShardFault | None]:
+            out, fault = [], None
+            for (j, pos), shared in zip(plan[shard], answer):
+                if not shared.lent:  # records the shard verified itself
+                    out.append(shared.pages)
+                    continue
+                got = receive(shared, [batches[j].keys[i] for i in pos],
+                              [batches[j].priors[i] for i in pos],
+                              self.layout or shared.layout, self.algo, deadline, rid)
+                fault = self._settle(shard, shared.pool, got) or fault
+                out.append(got.pages)
+            return out, fault
+        return resolve
+
+    def _settle(self, shard: int, pool: str, got: Received) -> ShardFault | None:
+        """Count what a lent answer cost; ask the shard to drop records that failed."""
+        # NOTE: the shard counted every lent key as a hit; what fails here is also counted
+        # as a miss, here, so a damaged or lost record shows under its reason.
+        if got.bad:
+            self._stats.count(Event.MISS, MissReason.VERIFICATION_FAILED, len(got.bad))
+            self.handles[shard].discard_v2.remote(pool, got.bad)
+        if not got.lost:
+            return None
+        fault = ShardFault(shard, got.reason, got.detail)
+        self._log_fault(fault)
+        self._stats.count(Event.MISS, got.reason, got.lost)
+        return fault
+
+    def _log_fault(self, fault: ShardFault) -> None:
+        # NOTE: a dead shard fails every call; say so once per shard and reason.
+        first = (fault.shard, fault.reason) not in self._warned
+        self._warned.add((fault.shard, fault.reason))
+        log.log(logging.WARNING if first else logging.DEBUG, "L3 shard %d: %s (%s)",
+                fault.shard, fault.reason.value, fault.detail)
+
     def _fault_counter(self, plan: Plan, event: Event,
                        per_key: bool = True) -> Callable[[ShardFault], None]:
         def count(fault: ShardFault) -> None:
-            # NOTE: a dead shard fails every call; say so once per shard and reason.
-            first = (fault.shard, fault.reason) not in self._warned
-            self._warned.add((fault.shard, fault.reason))
-            log.log(logging.WARNING if first else logging.DEBUG, "L3 shard %d: %s (%s)",
-                    fault.shard, fault.reason.value, fault.detail)
+            self._log_fault(fault)
             n = sum(len(pos) for _, pos in plan[fault.shard]) if per_key else 1
             self._stats.count(event, fault.reason, n)
         return count
@@ -205,8 +258,10 @@ class _FanOut(Pending[T], Generic[T]):
     _UNSET = object()
 
     def __init__(self, refs: dict[int, Any], merge: Callable[[dict[int, Any]], T],
-                 on_fault: Callable[[ShardFault], None], timeout_s: float | None) -> None:
+                 on_fault: Callable[[ShardFault], None], timeout_s: float | None,
+                 resolve: Resolve | None = None) -> None:
         self._refs, self._merge, self._on_fault = refs, merge, on_fault
+        self._resolve = resolve
         self._timeout_s = timeout_s
         self._faults: list[ShardFault] = []
         self._value: Any = self._UNSET
@@ -233,6 +288,7 @@ class _FanOut(Pending[T], Generic[T]):
     def _collect(self, timeout: float | None) -> dict[int, Any]:
         import ray
 
+        deadline = None if timeout is None else time.monotonic() + timeout
         refs = list(self._refs.values())
         ready = set(ray.wait(refs, num_returns=len(refs), timeout=timeout)[0]) if refs else set()
         answers = {}
@@ -246,6 +302,11 @@ class _FanOut(Pending[T], Generic[T]):
                 raise  # bad input is the caller's error, not a cache fault
             except ray.exceptions.RayError as e:
                 self._fault(shard, MissReason.STORAGE_ERROR, f"{type(e).__name__}: {e}"[:300])
+                continue
+            if self._resolve is not None:
+                answers[shard], fault = self._resolve(shard, answers[shard], deadline)
+                if fault is not None:
+                    self._faults.append(fault)
         return answers
 
     def _fault(self, shard: int, reason: MissReason, detail: str) -> None:

@@ -127,10 +127,20 @@ class LocalBackend(StorageBackend):
             return MissReason.NAMESPACE_REFUSED
         return None
 
-    def _fetch(self, slot: Slot, prior: bytes | None, rid: str | None) -> PageRecord | None:
+    def _available(self, slot: Slot, prior: bytes | None) -> bool:
+        """Whether ``slot`` can serve a page following ``prior``; a miss is counted here."""
         reason = self._absent(slot, prior)
         if reason is not None:
             self._stats.count(Event.MISS, reason)
+        return reason is None
+
+    def _served(self, slot: Slot) -> None:
+        self._index.move_to_end(slot)
+        self._touched(slot)
+        self._stats.count(Event.HIT)
+
+    def _fetch(self, slot: Slot, prior: bytes | None, rid: str | None) -> PageRecord | None:
+        if not self._available(slot, prior):
             return None
         record = self._read(slot)
         problem = "unreadable" if record is None else verify(
@@ -142,9 +152,7 @@ class LocalBackend(StorageBackend):
             self._stats.count(Event.VERIFICATION_FAILED)
             self._stats.count(Event.MISS, MissReason.VERIFICATION_FAILED)
             return None
-        self._index.move_to_end(slot)
-        self._touched(slot)
-        self._stats.count(Event.HIT)
+        self._served(slot)
         return record
 
     # -- writes ---------------------------------------------------------------------------

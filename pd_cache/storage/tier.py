@@ -1,23 +1,32 @@
 """``StorageTier``: one L3 shard, a plain class wrapping one backend, and its Ray actor.
 
-The logic lives in the backend; the actor only hosts it. A restarted actor reruns
-``__init__``: a ``memory`` shard comes back empty, a ``disk`` shard rebuilds its index
-from its directory and serves everything it had acknowledged.
+The logic lives in the backend; the actor only hosts it. Inside Ray the ``memory`` backend
+is :class:`~pd_cache.storage.shared.SharedMemoryBackend`, which lends records through the
+object store (:meth:`StorageTier.batch_get_shared_v2`) instead of copying them into every
+answer. A restarted actor reruns ``__init__``: a ``memory`` shard comes back empty, a
+``disk`` shard rebuilds its index from its directory and serves everything it had
+acknowledged.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 from pd_cache.config import PDCacheConfig
 from pd_cache.storage import make_backend
-from pd_cache.storage.base import ExtraInfo, PoolHits, PoolTransfer, Usage
+from pd_cache.storage.base import ExtraInfo, PoolHits, PoolTransfer, StorageBackend, Usage
+from pd_cache.storage.shared import SharedMemoryBackend, SharedPages
 
-# NOTE: pages leave the actor as uint8 numpy views (see PageRecord.__reduce__), which Ray
-# moves zero-copy; the variable extends that to any bare tensor an actor returns.
+log = logging.getLogger(__name__)
+
+# NOTE: pages that leave the actor by value travel as uint8 numpy views (see
+# PageRecord.__reduce__), which Ray moves zero-copy; the variable extends that to any bare
+# tensor an actor returns.
 ACTOR_ENV = {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}
 
 
@@ -31,8 +40,7 @@ class StorageTier:
             raise ValueError(f"shard: expected 0 <= shard < {config.storage.num_shards}, "
                              f"got {shard!r}")
         self.shard = shard
-        self.backend = make_backend(config.storage, config.layout,
-                                    algo=config.cache.hash_algo, shard=shard)
+        self.backend = tier_backend(config, shard)
 
     def batch_exists_v2(self, transfers: Sequence[PoolTransfer],
                         extra_info: ExtraInfo | None = None) -> PoolHits:
@@ -41,6 +49,20 @@ class StorageTier:
     def batch_get_v2(self, transfers: Sequence[PoolTransfer],
                      extra_info: ExtraInfo | None = None) -> list[PoolTransfer]:
         return self.backend.batch_get_v2(transfers, extra_info)
+
+    def batch_get_shared_v2(self, transfers: Sequence[PoolTransfer],
+                            extra_info: ExtraInfo | None = None) -> list[SharedPages]:
+        """``batch_get_v2`` for the client: lent refs if the backend lends, else records."""
+        if isinstance(self.backend, SharedMemoryBackend):
+            return self.backend.batch_lend_v2(transfers, extra_info)
+        return [SharedPages(t.pool, list(t.pages or []))
+                for t in self.backend.batch_get_v2(transfers, extra_info)]
+
+    def discard_v2(self, pool: str, keys: Sequence[bytes]) -> int:
+        """Delete lent records a reader found bad (see ``SharedMemoryBackend``)."""
+        if isinstance(self.backend, SharedMemoryBackend):
+            return self.backend.discard_v2(pool, keys)
+        return 0
 
     def batch_set_v2(self, transfers: Sequence[PoolTransfer],
                      extra_info: ExtraInfo | None = None) -> list[list[bool]]:
@@ -55,6 +77,32 @@ class StorageTier:
     def ping(self) -> int:
         """The hosting process id (changes when the actor restarts)."""
         return os.getpid()
+
+
+def tier_backend(config: PDCacheConfig, shard: int = 0) -> StorageBackend:
+    """The shard's backend; in a Ray process, ``memory`` keeps records in the object store."""
+    algo = config.cache.hash_algo
+    if config.storage.backend != "memory" or not _in_ray():
+        return make_backend(config.storage, config.layout, algo=algo, shard=shard)
+    backend = SharedMemoryBackend.from_config(config.storage, config.layout, algo=algo,
+                                              shard=shard)
+    _warn_if_spilling(backend.capacity_bytes)
+    return backend
+
+
+def _in_ray() -> bool:
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
+
+
+def _warn_if_spilling(capacity_bytes: int) -> None:
+    import ray
+
+    store = ray.cluster_resources().get("object_store_memory", 0)
+    if store and capacity_bytes > store:
+        # NOTE: still correct (Ray spills objects to disk), but no longer memory speed.
+        log.warning("L3 memory shard capacity %d bytes exceeds the object store (%d bytes); "
+                    "records will spill to disk", capacity_bytes, int(store))
 
 
 @functools.cache

@@ -15,7 +15,8 @@ from pd_cache.stats import MissReason
 from pd_cache.storage import ExtraInfo, PageRecord, PoolTransfer, usable_prefix
 from pd_cache.storage.client import StorageClient
 from pd_cache.storage.disk import DiskBackend
-from pd_cache.storage.tier import storage_actor, storage_actors
+from pd_cache.storage.shared import SharedMemoryBackend
+from pd_cache.storage.tier import storage_actor, storage_actors, tier_backend
 from tests.unit.test_storage_backends import Chain, assert_same
 
 ray = pytest.importorskip("ray")
@@ -256,3 +257,173 @@ def bits_equal(got: PageRecord, want: PageRecord) -> bool:
     return got.header == want.header and all(
         torch.equal(a.view(torch.uint8), b.view(torch.uint8))
         for a, b in zip(got.payloads, want.payloads))
+
+
+# -- memory shards lend records through the object store ------------------------------------
+SLACK = 4096  # object-store bytes a record costs beyond its payload (pickled header)
+
+
+def object_store_bytes(cluster: Any) -> int:
+    """Bytes in the node's object store now, by Ray's own accounting."""
+    from ray._private.internal_api import get_memory_info_reply, get_state_from_address
+
+    return get_memory_info_reply(get_state_from_address(cluster.address)) \
+        .store_stats.object_store_bytes_used
+
+
+def settles(condition: Callable[[], bool], deadline_s: float = 30) -> bool:
+    """Whether ``condition`` holds within the deadline (Ray frees objects asynchronously)."""
+    end = time.monotonic() + deadline_s
+    while not condition():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_memory_shard_lends_refs_and_the_client_verifies(
+        shards: Callable[[str], list[Any]]) -> None:
+    handles = shards("bfloat16")[:1]
+    client = StorageClient(handles)  # no layout given: verifies against the shard's
+    chain = Chain(config_for("bfloat16").layout, 6, seed=30)
+    hits_before = client.stats().get("hit/", 0)
+    assert client.batch_set(chain.names, chain.records) == [True] * 6
+    answer = ray.get(handles[0].batch_get_shared_v2.remote(
+        [PoolTransfer("kv", chain.names[:2] + [chain.names[0][::-1]])]))
+    assert answer[0].lent
+    assert [isinstance(p, ray.ObjectRef) for p in answer[0].pages] == [True, True, False]
+    got = client.batch_get(chain.names)
+    for g, want in zip(got, chain.records):
+        assert_same(g, want)
+    assert client.stats()["hit/"] - hits_before == 2 + 6  # counted by the shard, once each
+
+
+def test_damaged_lent_record_is_a_miss_and_is_discarded(ray_cluster: Any) -> None:
+    config = config_for(num_shards=1)
+    client = StorageClient.from_config(config)
+    try:
+        chain = Chain(config.layout, 4, seed=31)
+        assert client.batch_set(chain.names, chain.records) == [True] * 4
+        first = client.batch_get(chain.names)
+        # NOTE: received pages are views of the shared object; a reader that writes into
+        # one (callers must copy instead) damages the page for every later reader.
+        first[2].payload().view(torch.uint8).view(-1)[0] ^= 0xFF
+        del first
+        got = client.batch_get(chain.names)
+        assert [g is not None for g in got] == [True, True, False, True]
+        assert_same(got[3], chain.records[3])
+        assert client.batch_exists(chain.names) == 2  # discarded (calls run in order)
+        stats = client.stats()
+        assert stats["miss/verification_failed"] == 1 and stats["verification_failed/"] == 1
+        assert client.batch_set(chain.names[2:3], chain.records[2:3]) == [True]
+        assert_same(client.batch_get(chain.names)[2], chain.records[2])
+    finally:
+        kill_all(client.handles)
+
+
+@pytest.mark.parametrize("restart", [False, True])
+def test_killed_memory_shard_lent_pages_are_misses_not_a_hang(ray_cluster: Any,
+                                                              restart: bool) -> None:
+    config = config_for(num_shards=1)
+    before = object_store_bytes(ray_cluster)
+    handle = storage_actor(config, max_restarts=1 if restart else 0)
+    client = StorageClient([handle], timeout_s=20, layout=config.layout)
+    try:
+        pid = ray.get(handle.ping.remote())
+        chain = Chain(config.layout, 8, seed=32)
+        assert client.batch_set(chain.names, chain.records) == [True] * 8
+        pending = client.submit_get(chain.names)
+        while not pending.done():  # the shard has lent its refs ...
+            time.sleep(0.005)
+        ray.kill(handle, no_restart=not restart)  # ... and dies with the objects
+        if restart:
+            assert wait_restarted(handle, pid)
+        else:
+            assert settles(lambda: not alive(handle))
+        # NOTE: until Ray has freed the dead owner's objects, a reader may still map them
+        # (whole and verified: a valid hit); once freed, they are lost.
+        assert settles(lambda: object_store_bytes(ray_cluster) <= before)
+        start = time.monotonic()
+        assert pending.result() == [None] * 8
+        assert time.monotonic() - start < 15
+        assert [f.reason for f in pending.faults] == [MissReason.STORAGE_ERROR]
+        assert client.stats()["miss/storage_error"] == 8
+        if restart:  # a restarted memory shard is empty: plain misses from now on
+            again = client.submit_get(chain.names)
+            assert again.result() == [None] * 8 and again.faults == []
+            assert client.stats()["miss/not_stored"] == 8
+    finally:
+        ray.kill(handle)
+
+
+def alive(handle: Any) -> bool:
+    try:
+        ray.get(handle.ping.remote(), timeout=10)
+        return True
+    except ray.exceptions.RayError:
+        return False
+
+
+def test_lent_objects_are_freed_on_eviction_discard_and_death(ray_cluster: Any) -> None:
+    base = PDCacheConfig(model=ModelConfig.preset("small"), cache=CacheConfig(page_size=16))
+    page = base.layout
+    page_bytes = torch.Size(page.page_shape).numel() * 4
+    capacity = 8 * page_bytes
+    config = PDCacheConfig(model=base.model, cache=base.cache,
+                           storage=StorageConfig(capacity_bytes=capacity, num_shards=1))
+    client = StorageClient.from_config(config)
+    before = object_store_bytes(ray_cluster)
+    grown = lambda: object_store_bytes(ray_cluster) - before  # noqa: E731
+    try:
+        chain = Chain(config.layout, 32, seed=33)
+        for lo in range(0, 24, 4):  # 3x the capacity
+            assert client.batch_set(chain.names[lo:lo + 4], chain.records[lo:lo + 4]) == [
+                True] * 4
+        assert client.usage().bytes <= capacity
+        assert settles(lambda: grown() <= capacity + 8 * SLACK)
+        held = client.batch_get(chain.names[16:24])
+        assert client.batch_set(chain.names[24:], chain.records[24:]) == [True] * 8
+        # the shard evicted what the reader holds: its views stay valid until dropped
+        assert client.batch_exists(chain.names[16:24]) == 0
+        for g, want in zip(held, chain.records[16:24]):
+            assert_same(g, want)
+        assert grown() > capacity + 8 * SLACK
+        del held, g
+        assert settles(lambda: grown() <= capacity + 8 * SLACK)
+        damaged = client.batch_get(chain.names[24:25])[0]
+        damaged.payload().view(torch.uint8).view(-1)[0] ^= 0xFF
+        del damaged
+        assert client.batch_get(chain.names[24:25]) == [None]  # discarded by the shard
+        assert settles(lambda: grown() <= capacity - page_bytes + 7 * SLACK)
+    finally:
+        kill_all(client.handles)
+    assert settles(lambda: grown() <= 0)  # the rest died with the shard
+
+
+def test_shared_backend_keeps_the_backend_contract(ray_cluster: Any, tmp_path: Path) -> None:
+    config = config_for(num_shards=1)
+    assert isinstance(tier_backend(config), SharedMemoryBackend)  # in a Ray process
+    disk = config_for(backend="disk", disk_path=str(tmp_path), num_shards=1)
+    assert isinstance(tier_backend(disk), DiskBackend)
+    chain = Chain(config.layout, 12, seed=34)
+    store = SharedMemoryBackend(config.layout, 4 * chain.records[0].nbytes)
+    for i in range(12):  # 3x the capacity; page 0 is used all along
+        assert store.batch_set(chain.names[i:i + 1], chain.records[i:i + 1]) == [True]
+        assert store.batch_get(chain.names[:1])[0] is not None
+        assert store.usage().records <= 4
+    assert [store.batch_exists([n]) for n in chain.names] == [1] + [0] * 8 + [1] * 3
+    for got, want in zip(store.batch_get(chain.names[9:]), chain.records[9:]):
+        assert_same(got, want)  # verified in this process
+    lent = store.batch_lend_v2([PoolTransfer("kv", chain.names[8:])])[0]
+    assert lent.pages[0] is None
+    for ref, want in zip(lent.pages[1:], chain.records[9:]):
+        assert_same(ray.get(ref), want)  # for a reader to verify
+    with pytest.raises(ValueError, match="1 records for 2 keys"):
+        store.batch_set(chain.names[:2], chain.records[:1])
+    with pytest.raises(ValueError, match=r"keys\[0\]"):
+        store.discard_v2("kv", ["not hex"])
+    assert store.discard_v2("kv", chain.names[10:11]) == 1
+    assert store.usage().records == 3
+    stats = store.stats()
+    assert stats["evicted/"] == 8 and stats["verification_failed/"] == 1
+    assert stats["hit/"] == 12 + 3 + 3 and stats["miss/evicted"] == 8 + 1
