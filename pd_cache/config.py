@@ -172,6 +172,11 @@ class StorageConfig:
                      "prefetch_timeout_max_s"):
             check_non_negative(f"storage.{name}", getattr(self, name))
 
+    @property
+    def shard_capacity_bytes(self) -> int:
+        """Each tier actor's share: ``capacity_bytes`` is split evenly over the shards."""
+        return max(1, self.capacity_bytes // self.num_shards)
+
 
 @dataclass(frozen=True)
 class PDCacheConfig:

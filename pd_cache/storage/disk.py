@@ -72,7 +72,7 @@ class DiskBackend(LocalBackend):
         if not config.disk_path:
             raise ValueError("storage.disk_path: expected a directory for backend='disk'")
         return cls(Path(config.disk_path) / f"shard-{shard}", layout,
-                   max(1, config.capacity_bytes // config.num_shards), algo=algo)
+                   config.shard_capacity_bytes, algo=algo)
 
     # -- paths ----------------------------------------------------------------------------
     def _path(self, slot: Slot) -> Path:

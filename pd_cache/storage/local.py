@@ -13,9 +13,9 @@ import threading
 from abc import abstractmethod
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Self
 
-from pd_cache.config import KVLayout
+from pd_cache.config import KVLayout, StorageConfig
 from pd_cache.hashing import DIGEST_SIZES
 from pd_cache.stats import Event, MissReason, Stats
 from pd_cache.storage.base import ExtraInfo, PoolHits, PoolTransfer, StorageBackend, Usage
@@ -51,6 +51,12 @@ class LocalBackend(StorageBackend):
         self._used = 0
         self._stats = Stats()
         self._lock = threading.RLock()
+
+    @classmethod
+    def from_config(cls, config: StorageConfig, layout: KVLayout, *, algo: str = "xxh3_128",
+                    shard: int = 0) -> Self:
+        """The backend of one shard, holding its share of ``config.capacity_bytes``."""
+        return cls(layout, config.shard_capacity_bytes, algo=algo)
 
     # -- where the bytes live -----------------------------------------------------------
     @abstractmethod

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pd_cache.config import KVLayout, StorageConfig
+from pd_cache.config import KVLayout
 from pd_cache.storage.local import LocalBackend, Slot
 from pd_cache.storage.record import PageRecord
 
@@ -16,11 +16,6 @@ class MemoryBackend(LocalBackend):
                  algo: str = "xxh3_128") -> None:
         super().__init__(layout, capacity_bytes, algo=algo)
         self._records: dict[Slot, PageRecord] = {}
-
-    @classmethod
-    def from_config(cls, config: StorageConfig, layout: KVLayout, *, algo: str = "xxh3_128",
-                    shard: int = 0) -> MemoryBackend:
-        return cls(layout, max(1, config.capacity_bytes // config.num_shards), algo=algo)
 
     def _write(self, slot: Slot, record: PageRecord) -> None:
         # NOTE: a private copy: the caller's buffers (or Ray's read-only views) stay theirs.

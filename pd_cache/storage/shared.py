@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from pd_cache.config import KVLayout, StorageConfig
+from pd_cache.config import KVLayout
 from pd_cache.stats import Event, MissReason
 from pd_cache.storage.base import ExtraInfo, PoolTransfer
 from pd_cache.storage.batch import check_batch, normalize_keys
@@ -61,11 +61,6 @@ class SharedMemoryBackend(LocalBackend):
                  algo: str = "xxh3_128") -> None:
         super().__init__(layout, capacity_bytes, algo=algo)
         self._refs: dict[Slot, Any] = {}
-
-    @classmethod
-    def from_config(cls, config: StorageConfig, layout: KVLayout, *, algo: str = "xxh3_128",
-                    shard: int = 0) -> SharedMemoryBackend:
-        return cls(layout, max(1, config.capacity_bytes // config.num_shards), algo=algo)
 
     def _write(self, slot: Slot, record: PageRecord) -> None:
         import ray
