@@ -13,11 +13,11 @@ $(PY):
 	python3 -m venv $(VENV)
 	$(PIP) install --quiet $(TORCH)
 
-$(VENV)/.installed: pyproject.toml setup.py pd_cache/_chain.c | $(PY)
+$(VENV)/.installed: pyproject.toml setup.py pd_cache/core/_chain.c | $(PY)
 	$(PIP) install --quiet -e .
 	touch $@
 
-$(VENV)/.installed-test: pyproject.toml setup.py pd_cache/_chain.c | $(PY)
+$(VENV)/.installed-test: pyproject.toml setup.py pd_cache/core/_chain.c | $(PY)
 	$(PIP) install --quiet -e '.[test]'
 	touch $@ $(VENV)/.installed
 

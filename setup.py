@@ -2,4 +2,4 @@
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("pd_cache._chain", ["pd_cache/_chain.c"], optional=True)])
+setup(ext_modules=[Extension("pd_cache.core._chain", ["pd_cache/core/_chain.c"], optional=True)])

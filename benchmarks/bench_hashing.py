@@ -3,7 +3,7 @@
 Names for 1M tokens at page sizes 16 and 64, every design fed the same little-endian
 uint32 buffer (from a list input, the list is turned into that buffer once, the
 cheapest way, and that cost is charged to every design alike):
-  ours            pd_cache.hashing.page_hashes (xxh3_128 chain)
+  ours            pd_cache.core.hashing.page_hashes (xxh3_128 chain)
   sha256_per_page one hashlib.sha256 call per page over prior || page bytes
   python_per_token a Python loop feeding each token's 4 bytes to sha256 in turn
   raw_xxh3        one xxh3_128 pass over the whole buffer (no chain: the upper limit)
@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from pd_cache.hashing import namespace_seed, page_hashes
+from pd_cache.core.hashing import namespace_seed, page_hashes
 
 RESULTS = Path(__file__).parent / "results" / "hashing.json"
 SEED = 1234

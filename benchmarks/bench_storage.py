@@ -40,8 +40,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from pd_cache.config import CacheConfig, KVLayout, ModelConfig, PDCacheConfig, StorageConfig
-from pd_cache.hashing import namespace_seed, page_hashes
+from pd_cache.core.config import CacheConfig, KVLayout, ModelConfig, PDCacheConfig, StorageConfig
+from pd_cache.core.hashing import namespace_seed, page_hashes
 from pd_cache.storage import PageRecord, PoolTransfer, make_record
 from pd_cache.storage.client import StorageClient
 from pd_cache.storage.tier import ACTOR_ENV, storage_actors

@@ -10,7 +10,6 @@ from pd_cache.kv.base import (
                               PoolFullError,
                               PrefixCache,
                               SlotError,
-                              Tier,
 )
 from pd_cache.kv.pages import check_pages, kv_to_pages, kv_torch_dtype, pages_to_kv
 from pd_cache.kv.pool import PagePool, device_pool, host_pool
@@ -19,6 +18,6 @@ from pd_cache.kv.radix import OWNER, Node, RadixCache
 __all__ = [
     "CacheInvariantError", "CacheKey", "HitPage", "InsertResult", "MatchResult", "Node",
     "OWNER", "PagePool", "PoolFullError", "PrefixCache", "RadixCache", "SlotAllocator",
-    "SlotError", "Tier", "check_pages", "device_pool", "host_pool", "kv_to_pages",
+    "SlotError", "check_pages", "device_pool", "host_pool", "kv_to_pages",
     "kv_torch_dtype", "pages_to_kv",
 ]

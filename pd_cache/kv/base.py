@@ -12,23 +12,13 @@ reads cached pages does so under a lock, never by taking their slots.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from enum import Enum
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
-from pd_cache.hashing import compute_prefix_hash, page_hashes, token_buffer
-
-if TYPE_CHECKING:
-    from pd_cache.request import Req
-
-
-class Tier(str, Enum):
-    """Where a cached page was found."""
-
-    DEVICE = "device"
-    HOST = "host"
-    STORAGE = "storage"
+from pd_cache.core.hashing import page_hashes, token_buffer
+from pd_cache.core.request import Req, compute_prefix_hash
+from pd_cache.core.vocab import Tier
 
 
 class SlotError(RuntimeError):
@@ -202,5 +192,5 @@ class PrefixCache(ABC):
 
 __all__ = [
     "CacheInvariantError", "CacheKey", "HitPage", "InsertResult", "MatchResult",
-    "PoolFullError", "PrefixCache", "SlotError", "Tier",
+    "PoolFullError", "PrefixCache", "SlotError",
 ]

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from pd_cache.config import KVLayout
+from pd_cache.core.config import KVLayout
 
 KV_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                    "float16": torch.float16}

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pd_cache.config import KVLayout
+from pd_cache.core.config import KVLayout
 from pd_cache.kv.allocator import SlotAllocator
 from pd_cache.kv.pages import check_pages, kv_torch_dtype
 

@@ -19,7 +19,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from pd_cache.config import WRITE_POLICIES
+from pd_cache.core.config import WRITE_POLICIES
+from pd_cache.core.stats import Stats
+from pd_cache.core.vocab import Event
 from pd_cache.kv.base import (
     CacheKey,
     HitPage,
@@ -32,7 +34,6 @@ from pd_cache.kv.invariants import check_tree
 from pd_cache.kv.node import Node, iter_nodes
 from pd_cache.kv.pages import check_pages
 from pd_cache.kv.pool import PagePool
-from pd_cache.stats import Event, Stats
 
 OWNER = "radix"
 

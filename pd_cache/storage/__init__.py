@@ -1,7 +1,8 @@
 """L3 storage: verified page records, ``memory`` and ``disk`` backends, sharded tier actors.
 
-Backends come from a small registry with lazy imports: adding one is one module with a
-``LocalBackend`` subclass (or any ``StorageBackend``) and one line in ``BACKENDS``. Inside a
+Backends come from a small registry with lazy imports (``pd_cache.core.config
+.STORAGE_BACKENDS``, which ``StorageConfig.backend`` is checked against): adding one is one
+module with a ``LocalBackend`` subclass (or any ``StorageBackend``) and one registry entry. Inside a
 Ray process a tier's ``memory`` backend is ``shared.SharedMemoryBackend``, which lends
 records to readers through the object store (see ``pd_cache.storage.shared``).
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from pd_cache.config import KVLayout, StorageConfig
+from pd_cache.core.config import STORAGE_BACKENDS, KVLayout, StorageConfig
 from pd_cache.storage.base import (
     ExtraInfo,
     Pending,
@@ -24,10 +25,7 @@ from pd_cache.storage.base import (
 )
 from pd_cache.storage.record import KV_POOL, PageRecord, RecordHeader, make_record, verify
 
-BACKENDS: dict[str, str] = {
-    "memory": "pd_cache.storage.memory:MemoryBackend",
-    "disk": "pd_cache.storage.disk:DiskBackend",
-}
+BACKENDS = STORAGE_BACKENDS   # the one registry; ``StorageConfig`` validates against it
 
 
 def register_backend(name: str, target: str) -> None:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 
 import msgspec
 
-from pd_cache.stats import MissReason
+from pd_cache.core.vocab import MissReason
 from pd_cache.storage.record import KV_POOL
 
 if TYPE_CHECKING:
@@ -147,7 +147,7 @@ class StorageBackend(ABC):
     - Stores are bounded in bytes and evict least recently used records first.
     - Returned payloads may be views of the store's (or Ray's shared) memory: read-only.
     - Every hit, miss (by reason), store, eviction, refusal and verification failure is
-      counted once in the store's :class:`~pd_cache.stats.Stats`; see :meth:`stats`.
+      counted once in the store's :class:`~pd_cache.core.stats.Stats`; see :meth:`stats`.
       ``batch_exists*`` counts only the miss that ends the hit prefix; ``batch_get*``
       counts a hit or a miss for every key, so ``exists`` then ``get`` of the hit prefix
       counts each page once.
@@ -184,7 +184,7 @@ class StorageBackend(ABC):
 
     @abstractmethod
     def stats(self) -> dict[str, int]:
-        """Snapshot of the event counts, ``{"event/reason": n}`` (see ``pd_cache.stats``)."""
+        """Snapshot of the event counts, ``{"event/reason": n}`` (see ``pd_cache.core.stats``)."""
 
     @abstractmethod
     def usage(self) -> Usage:

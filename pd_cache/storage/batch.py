@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from pd_cache.hashing import DIGEST_SIZES, from_hex
+from pd_cache.core.hashing import DIGEST_SIZES, from_hex
 from pd_cache.storage.base import ExtraInfo, PoolTransfer
 from pd_cache.storage.record import PageRecord, check_pool_name, payload_problem
 

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import xxhash
 
-from pd_cache.stats import Event, MissReason, Stats
+from pd_cache.core.stats import Stats
+from pd_cache.core.vocab import Event, MissReason
 from pd_cache.storage.base import (
     ExtraInfo,
     Pending,
@@ -39,7 +40,7 @@ from pd_cache.storage.batch import Batch, check_batch
 from pd_cache.storage.shared import Received, SharedPages, receive
 
 if TYPE_CHECKING:
-    from pd_cache.config import KVLayout
+    from pd_cache.core.config import KVLayout
 
 log = logging.getLogger(__name__)
 

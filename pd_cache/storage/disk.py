@@ -30,8 +30,8 @@ import numpy as np
 import torch
 import xxhash
 
-from pd_cache.config import KVLayout, StorageConfig
-from pd_cache.stats import Event
+from pd_cache.core.config import KVLayout, StorageConfig
+from pd_cache.core.vocab import Event
 from pd_cache.storage.local import LocalBackend, Slot
 from pd_cache.storage.record import (
     DTYPES,

@@ -15,9 +15,10 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import NamedTuple, Self
 
-from pd_cache.config import KVLayout, StorageConfig
-from pd_cache.hashing import DIGEST_SIZES
-from pd_cache.stats import Event, MissReason, Stats
+from pd_cache.core.config import KVLayout, StorageConfig
+from pd_cache.core.hashing import DIGEST_SIZES
+from pd_cache.core.stats import Stats
+from pd_cache.core.vocab import Event, MissReason
 from pd_cache.storage.base import ExtraInfo, PoolHits, PoolTransfer, StorageBackend, Usage
 from pd_cache.storage.batch import check_batch
 from pd_cache.storage.record import PageRecord, RecordHeader, verify
@@ -181,9 +182,9 @@ class LocalBackend(StorageBackend):
         if slot in self._index:  # names are content addresses: same name, same page
             self._index.move_to_end(slot)
             return True
-        return self._admit(slot, record)
+        return self._store(slot, record)
 
-    def _admit(self, slot: Slot, record: PageRecord) -> bool:
+    def _store(self, slot: Slot, record: PageRecord) -> bool:
         size = self._footprint(record)
         self._evict_until(self.capacity_bytes - size)
         try:

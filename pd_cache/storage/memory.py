@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pd_cache.config import KVLayout
+from pd_cache.core.config import KVLayout
 from pd_cache.storage.local import LocalBackend, Slot
 from pd_cache.storage.record import PageRecord
 

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 import xxhash
 
-from pd_cache.config import KVLayout
-from pd_cache.hashing import DIGEST_SIZES, page_hashes, token_buffer
+from pd_cache.core.config import KVLayout
+from pd_cache.core.hashing import DIGEST_SIZES, page_hashes, token_buffer
 
 RECORD_VERSION = 1
 KV_POOL = "kv"

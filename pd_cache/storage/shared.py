@@ -24,8 +24,8 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from pd_cache.config import KVLayout
-from pd_cache.stats import Event, MissReason
+from pd_cache.core.config import KVLayout
+from pd_cache.core.vocab import Event, MissReason
 from pd_cache.storage.base import ExtraInfo, PoolTransfer
 from pd_cache.storage.batch import check_batch, normalize_keys
 from pd_cache.storage.local import LocalBackend, Slot

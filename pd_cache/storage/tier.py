@@ -17,9 +17,11 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from pd_cache.config import PDCacheConfig
+from pd_cache.core.config import PDCacheConfig
+from pd_cache.core.request import Req, compute_prefix_hash
 from pd_cache.storage import make_backend
 from pd_cache.storage.base import ExtraInfo, PoolHits, PoolTransfer, StorageBackend, Usage
+from pd_cache.storage.exporter import StatsExporter
 from pd_cache.storage.shared import SharedMemoryBackend, SharedPages
 
 log = logging.getLogger(__name__)
@@ -33,7 +35,10 @@ ACTOR_ENV = {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}
 class StorageTier:
     """One shard of L3: the backend ``config.storage.backend`` names, for ``config.layout``."""
 
-    def __init__(self, config: PDCacheConfig, shard: int = 0) -> None:
+    def __init__(self, config: PDCacheConfig, shard: int = 0, *,
+                 export_stats: bool | None = None) -> None:
+        """``export_stats`` (default: when inside Ray) exports the shard's counts every
+        ``config.storage.metrics_interval_s`` (see ``pd_cache.storage.exporter``)."""
         if not isinstance(config, PDCacheConfig):
             raise ValueError(f"config: expected PDCacheConfig, got {type(config).__name__}")
         if not 0 <= shard < config.storage.num_shards:
@@ -41,6 +46,11 @@ class StorageTier:
                              f"got {shard!r}")
         self.shard = shard
         self.backend = tier_backend(config, shard)
+        self.exporter: StatsExporter | None = None
+        if _in_ray() if export_stats is None else export_stats:
+            self.exporter = StatsExporter(self.backend.stats, config.storage.backend,
+                                          f"shard{shard}",
+                                          config.storage.metrics_interval_s).start()
 
     def batch_exists_v2(self, transfers: Sequence[PoolTransfer],
                         extra_info: ExtraInfo | None = None) -> PoolHits:
@@ -73,6 +83,11 @@ class StorageTier:
 
     def usage(self) -> Usage:
         return self.backend.usage()
+
+    def page_names(self, req: Req) -> list[bytes]:
+        """The request's prompt page names as this process computes them (a debug view)."""
+        return compute_prefix_hash(req, req.input_ids, page_size=self.backend.layout.page_size,
+                                   algo=self.backend.algo)
 
     def ping(self) -> int:
         """The hosting process id (changes when the actor restarts)."""

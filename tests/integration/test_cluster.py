@@ -10,10 +10,12 @@ from typing import Any
 
 import pytest
 
-from pd_cache.cluster import ClusterConfig, Completion, PDCluster
-from pd_cache.model import Model, reference_generate
-from pd_cache.request import Req
-from pd_cache.workload import WorkloadConfig, make_conversations
+from pd_cache.app.workload import WorkloadConfig, make_conversations
+from pd_cache.cluster.pd_cluster import PDCluster
+from pd_cache.core.cluster_config import ClusterConfig
+from pd_cache.core.request import Req
+from pd_cache.core.wire import Completion
+from pd_cache.worker.model import Model, reference_generate
 
 ray = pytest.importorskip("ray")
 

@@ -6,13 +6,12 @@ from typing import Any
 
 import pytest
 
-from pd_cache.controller import PREFETCH_ACK, PREFETCH_BATCH
-from pd_cache.engine import LocalEngine
-from pd_cache.request import Req
-from pd_cache.stats import Event, MissReason
+from pd_cache.core.request import Req
+from pd_cache.core.vocab import PREFETCH_ACK, PREFETCH_BATCH, Event, MissReason
 from pd_cache.storage.client import StorageClient
 from pd_cache.storage.tier import storage_actors
-from tests.unit.test_controller import PS, assert_clean, config, prompt, reference
+from pd_cache.worker.engine import LocalEngine
+from tests.unit.tiering.test_controller import PS, assert_clean, config, prompt, reference
 
 ray = pytest.importorskip("ray")
 

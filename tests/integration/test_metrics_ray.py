@@ -10,8 +10,9 @@ import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 
+from pd_cache.core.stats import Stats
+from pd_cache.core.vocab import Event, MissReason
 from pd_cache.metrics import METRIC_NAMES, METRICS, RAY_PREFIX, PDCacheMetrics
-from pd_cache.stats import Event, MissReason, Stats
 
 OUR_LABELS = {key for spec in METRICS for key in spec.labels} | {"le"}
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]

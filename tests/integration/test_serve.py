@@ -22,18 +22,18 @@ from typing import Any, NamedTuple
 import pytest
 import yaml
 
-from pd_cache.config import ModelConfig
-from pd_cache.model import Model, reference_generate
-from pd_cache.request import Req
+from pd_cache.core.config import ModelConfig
+from pd_cache.core.request import Req
+from pd_cache.worker.model import Model, reference_generate
 
 serve = pytest.importorskip("ray.serve")
 ray = pytest.importorskip("ray")
 
-from pd_cache.serve import AppArgs, app_builder  # noqa: E402  (needs ray[serve])
+from pd_cache.cluster.serve import AppArgs, app_builder  # noqa: E402  (needs ray[serve])
 
 SERVE_CONFIG = Path(__file__).resolve().parents[2] / "deployments" / "serve_config.yaml"
-ARGS = {"model": "tiny", "page_size": 4, "prefill_workers": 2, "decode_workers": 1,
-        "storage_shards": 1, "storage_backend": "memory", "storage_capacity_bytes": 1 << 26,
+ARGS = {"model": "tiny", "page_size": 4, "num_prefill": 2, "num_decode": 1,
+        "num_storage": 1, "storage_backend": "memory", "storage_capacity_bytes": 1 << 26,
         "prefetch_policy": "wait_complete", "device_pages": 64, "host_pages": 128,
         "request_timeout_s": 20.0, "max_body_bytes": 64 * 1024, "metrics_interval_s": 1.0}
 MODEL = ModelConfig.preset("tiny")
@@ -200,7 +200,7 @@ def test_skipped_manifest_schema_check_now_runs() -> None:
     from ray.serve.schema import ServeDeploySchema
 
     schema = ServeDeploySchema.model_validate(yaml.safe_load(SERVE_CONFIG.read_text()))
-    assert schema.applications[0].import_path == "pd_cache.serve:app"
+    assert schema.applications[0].import_path == "pd_cache.cluster.serve:app"
 
 
 def test_deployments_config_builds_through_app_builder() -> None:
@@ -213,13 +213,13 @@ def test_deployments_config_builds_through_app_builder() -> None:
     assert isinstance(application, serve.Application)
     args = application._bound_deployment.init_args[0]  # what the ingress will start from
     assert isinstance(args, AppArgs)
-    cfg = args.cluster_config()
+    cfg = args.cluster
     assert (cfg.model, cfg.num_prefill, cfg.num_decode, cfg.num_storage, cfg.prefetch_policy) == (
-        entry["args"]["model"], entry["args"]["prefill_workers"],
-        entry["args"]["decode_workers"], entry["args"]["storage_shards"],
+        entry["args"]["model"], entry["args"]["num_prefill"],
+        entry["args"]["num_decode"], entry["args"]["num_storage"],
         entry["args"]["prefetch_policy"])
-    with pytest.raises(ValueError, match="prefill_workers"):
-        builder({**entry["args"], "prefill_workers": "two"})
+    with pytest.raises(ValueError, match="num_prefill"):
+        builder({**entry["args"], "num_prefill": "two"})
     with pytest.raises(ValueError, match="replicas"):
         builder({**entry["args"], "replicas": 3})
 

@@ -10,14 +10,14 @@ from typing import Any
 import pytest
 import torch
 
-from pd_cache.config import CacheConfig, ModelConfig, PDCacheConfig, StorageConfig
-from pd_cache.stats import MissReason
+from pd_cache.core.config import CacheConfig, ModelConfig, PDCacheConfig, StorageConfig
+from pd_cache.core.vocab import MissReason
 from pd_cache.storage import ExtraInfo, PageRecord, PoolTransfer, usable_prefix
 from pd_cache.storage.client import StorageClient
 from pd_cache.storage.disk import DiskBackend
 from pd_cache.storage.shared import SharedMemoryBackend
 from pd_cache.storage.tier import storage_actor, storage_actors, tier_backend
-from tests.unit.test_storage_backends import Chain, assert_same
+from tests.unit.storage.test_storage_backends import Chain, assert_same
 
 ray = pytest.importorskip("ray")
 

@@ -1,0 +1,131 @@
+"""The ``pd-cache`` command."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from pd_cache.app import names, run
+from pd_cache.app.session import ray_session
+
+DEFAULT_HOST = "127.0.0.1"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pd-cache", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    run_parser = sub.add_parser(
+        "run", help="run a multi-tenant workload through a PD cluster on Ray")
+    run.add_arguments(run_parser)
+    names_parser = sub.add_parser(
+        "names", help="name a workload's pages and show reuse (no Ray)")
+    names.add_arguments(names_parser)
+    serve = sub.add_parser("serve", help="deploy a Ray Serve config (deployments/) over HTTP")
+    add_serve_arguments(serve)
+    args = parser.parse_args(argv)
+    commands = {"run": run.run, "names": names.run, "serve": run_serve}
+    try:
+        return commands[args.command](args)
+    except ValueError as exc:
+        print(f"pd-cache: {exc}", file=sys.stderr)
+        return 2
+
+
+# -- pd-cache serve ---------------------------------------------------------------------------
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="a Serve config file (YAML), e.g. "
+                                       "deployments/serve_config.yaml")
+    parser.add_argument("--address", default=None,
+                        help="join this Ray cluster instead of starting a local one")
+    parser.add_argument("--host", default=DEFAULT_HOST,
+                        help="address the HTTP proxy binds (default %(default)s)")
+    parser.add_argument("--port", type=int, default=None,
+                        help="HTTP port (default: the config's http_options.port)")
+
+
+def load_serve_config(path: str | os.PathLike[str]) -> Any:
+    """The config file as a validated ``ServeDeploySchema`` (``ValueError`` if it is not)."""
+    import pydantic
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    try:
+        raw = yaml.safe_load(Path(path).read_text())
+        return ServeDeploySchema.model_validate(raw)
+    except OSError as exc:
+        raise ValueError(f"config: cannot read {path}: {exc.strerror}") from None
+    except (yaml.YAMLError, pydantic.ValidationError) as exc:
+        raise ValueError(f"config: {path} is not a Serve config: {exc}") from None
+
+
+def build_application(app: Any) -> Any:
+    """The Serve ``Application`` of one config entry: ``import_path`` is an application or
+    a builder called with the entry's ``args``."""
+    from ray.serve import Application
+
+    module_name, _, attr = app.import_path.partition(":")
+    target = getattr(importlib.import_module(module_name), attr or "app")
+    if isinstance(target, Application):
+        return target
+    return target(app.args or {})
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from ray import serve
+
+    config = load_serve_config(args.config)
+    http = config.http_options.model_dump(exclude_unset=True)
+    port = args.port if args.port is not None else config.http_options.port
+    http.update(host=args.host, port=port)
+    apps = [(a, build_application(a)) for a in config.applications]  # bad args fail here
+    with ray_session(args.address, runtime_env=_runtime_env(config)):
+        serve.start(http_options=http, proxy_location=config.proxy_location)
+        try:
+            for entry, application in apps:
+                serve.run(application, name=entry.name, route_prefix=entry.route_prefix)
+                print(f"{entry.name}: http://{_url_host(args.host)}:{port}{entry.route_prefix}",
+                      flush=True)
+            print("serving; Ctrl-C to stop", flush=True)
+            _wait_for_stop()
+        finally:
+            if args.address:  # a shared cluster: remove only what this command deployed
+                for entry, _ in apps:
+                    serve.delete(entry.name)
+            else:
+                serve.shutdown()
+    return 0
+
+
+def _runtime_env(config: Any) -> dict[str, Any] | None:
+    envs = {repr(a.runtime_env) for a in config.applications if a.runtime_env}
+    if len(envs) > 1:
+        raise ValueError("applications[].runtime_env: pd-cache serve applies one runtime_env "
+                         "to the whole job; give every application the same one")
+    return next((a.runtime_env for a in config.applications if a.runtime_env), None)
+
+
+def _wait_for_stop() -> None:
+    """Block until Ctrl-C or SIGTERM (both end in a clean shutdown)."""
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        while not stop.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+if __name__ == "__main__":
+    sys.exit(main())

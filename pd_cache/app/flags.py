@@ -1,0 +1,58 @@
+"""Command-line flags derived from a config dataclass: names, types, defaults and help
+come from its fields, so a knob is written once (``ClusterConfig``) and offered everywhere.
+
+    num_prefill: int = 2        ->  --num-prefill N      (int, default 2)
+    cache: bool = True          ->  --cache / --no-cache
+    disk_path: str | None       ->  --disk-path TEXT     (default: none)
+    model (choices=...)         ->  --model {small,tiny}
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any, TypeVar
+
+from pd_cache.core.fields import help_of, read_text
+
+T = TypeVar("T")
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, cls: type,
+                         group: str | None = None) -> None:
+    """One flag per field of the dataclass ``cls``."""
+    target: Any = parser.add_argument_group(group) if group else parser
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        kind = str(f.type)
+        text = help_of(f)
+        if kind == "bool":
+            target.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                                default=f.default, help=f"{text} (default: %(default)s)")
+            continue
+        choices = f.metadata.get("choices")
+        target.add_argument(flag, dest=f.name, default=f.default,
+                            metavar=None if choices else _metavar(kind),
+                            type=_reader(flag, kind), choices=choices,
+                            help=f"{text} (default: %(default)s)")
+
+
+def config_from_args(cls: type[T], args: argparse.Namespace) -> T:
+    """The dataclass ``cls`` from the parsed flags ``add_config_arguments`` added."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    return cls(**values)
+
+
+def _reader(flag: str, kind: str) -> Any:
+    base = kind.replace(" | None", "")
+
+    def read(text: str) -> Any:
+        try:
+            return read_text(flag, text, base)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return read
+
+
+def _metavar(kind: str) -> str:
+    return {"int": "N", "float": "X"}.get(kind.replace(" | None", ""), "TEXT")

@@ -1,0 +1,98 @@
+"""``ClusterConfig``: the one source of a PD cluster's knobs.
+
+Its fields (name, type, default, help) are what ``pd-cache run`` offers as flags and what
+the Serve app accepts as ``args`` (``pd_cache.app.flags``, ``pd_cache.cluster.serve``); no
+other place lists them. ``pd_config`` derives the ``PDCacheConfig`` every worker shares.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pd_cache.core.config import (
+    MODEL_PRESETS,
+    PREFETCH_POLICIES,
+    STORAGE_BACKENDS,
+    WRITE_POLICIES,
+    CacheConfig,
+    ModelConfig,
+    PDCacheConfig,
+    StorageConfig,
+)
+from pd_cache.core.fields import check_bool, check_int_at_least, check_non_negative, check_positive
+
+
+def _knob(default: Any, text: str, **meta: Any) -> Any:
+    return field(default=default, metadata={"help": text, **meta})
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Counts, model preset, cache tiers, L3 backend and policies of one cluster.
+
+    ``cache=False`` turns reuse off at every tier (no L1/L2 pages, no L3): the baseline.
+    ``num_storage=0`` runs without L3. ``decode_batch`` caps the requests a decode worker
+    steps together in one forward (continuous batching; 1 = one request at a time, in both
+    cache modes alike). ``decode_pack`` sends a request to the busiest decode worker whose
+    batch still has room (fuller batches) rather than the least loaded. ``actor_cpus`` is
+    what each worker actor reserves from Ray (0: place them regardless of the CPU count;
+    they share the machine anyway).
+    """
+
+    num_prefill: int = _knob(2, "prefill workers")
+    num_decode: int = _knob(2, "decode workers")
+    num_storage: int = _knob(2, "storage actors (L3 shards); 0 runs without L3")
+    model: str = _knob("small", "model preset", choices=tuple(sorted(MODEL_PRESETS)))
+    page_size: int = _knob(16, "tokens per KV page")
+    device_pages: int = _knob(256, "L1 (device) pool pages per worker")
+    host_pages: int = _knob(1024, "L2 (host) pool pages per worker")
+    cache: bool = _knob(True, "reuse KV at every tier (off: the no-cache baseline)")
+    storage_backend: str = _knob("memory", "L3 backend",
+                                 choices=tuple(sorted(STORAGE_BACKENDS)))
+    storage_capacity_bytes: int = _knob(1 << 30, "L3 capacity in bytes, split over shards")
+    disk_path: str | None = _knob(None, "directory of the disk backend")
+    prefetch_policy: str = _knob("wait_complete", "how long prefetch waits for L3",
+                                 choices=PREFETCH_POLICIES)
+    write_policy: str = _knob("write_through", "L1 -> L2 write policy", choices=WRITE_POLICIES)
+    balance_threshold: int = _knob(2, "prefix match loses to the least loaded prefill worker "
+                                      "beyond this many requests of difference")
+    threads: int = _knob(1, "torch threads per worker actor")
+    decode_batch: int = _knob(8, "requests a decode worker steps together")
+    decode_pack: bool = _knob(False, "fill the busiest decode batch with room first")
+    actor_cpus: float = _knob(0.0, "CPUs each worker actor reserves from Ray")
+    storage_timeout_s: float = _knob(10.0, "bound on any wait for an L3 call (s)")
+    storage_restarts: int = _knob(3, "restarts of a storage actor before it stays dead")
+    metrics_interval_s: float = _knob(5.0, "how often each storage shard exports its counts (s)")
+
+    def __post_init__(self) -> None:
+        for name in ("num_prefill", "num_decode", "threads", "decode_batch"):
+            check_int_at_least(name, getattr(self, name), 1)
+        for name in ("num_storage", "balance_threshold", "storage_restarts"):
+            check_int_at_least(name, getattr(self, name), 0)
+        check_bool("cache", self.cache)
+        check_bool("decode_pack", self.decode_pack)
+        check_non_negative("actor_cpus", self.actor_cpus)
+        check_positive("storage_timeout_s", self.storage_timeout_s)
+        self.pd_config  # noqa: B018  (builds and so validates the worker config)
+
+    @property
+    def with_storage(self) -> bool:
+        return self.cache and self.num_storage > 0
+
+    @property
+    def pd_config(self) -> PDCacheConfig:
+        """The worker config every prefill, decode and storage actor shares."""
+        on = self.cache
+        return PDCacheConfig(
+            model=ModelConfig.preset(self.model),
+            cache=CacheConfig(page_size=self.page_size,
+                              device_pages=self.device_pages if on else 0,
+                              host_pages=self.host_pages if on else 0,
+                              write_policy=self.write_policy),
+            storage=StorageConfig(enabled=self.with_storage, backend=self.storage_backend,
+                                  capacity_bytes=self.storage_capacity_bytes,
+                                  disk_path=self.disk_path,
+                                  num_shards=max(1, self.num_storage),
+                                  prefetch_policy=self.prefetch_policy,
+                                  metrics_interval_s=self.metrics_interval_s))

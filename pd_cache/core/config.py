@@ -1,0 +1,225 @@
+"""Configuration: one frozen dataclass per component, combined in ``PDCacheConfig``.
+
+Every invalid value raises ``ValueError`` at construction, naming the field. Environment
+overrides are read in one place, :meth:`PDCacheConfig.from_env`, with the prefix
+``PD_CACHE_``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import xxhash
+
+from pd_cache.core.fields import (
+    check,
+    check_non_negative,
+    check_positive,
+    check_positive_int,
+    one_of,
+    read_text,
+)
+from pd_cache.core.hashing import DIGEST_SIZES
+
+KV_DTYPES = ("float32", "bfloat16", "float16")
+WRITE_POLICIES = ("write_through", "write_back")
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+ENV_PREFIX = "PD_CACHE_"
+
+# The L3 backend registry: name -> "module:Class" (a class with ``from_config``), imported
+# lazily by ``pd_cache.storage.backend_class``. Adding a backend is one module and one entry
+# (or ``pd_cache.storage.register_backend``); ``StorageConfig.backend`` is checked here.
+STORAGE_BACKENDS: dict[str, str] = {
+    "memory": "pd_cache.storage.memory:MemoryBackend",
+    "disk": "pd_cache.storage.disk:DiskBackend",
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of the reference decoder-only transformer (see ``pd_cache.worker.model``)."""
+
+    name: str = "tiny"
+    vocab_size: int = 512
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    intermediate_size: int = 128
+    max_context: int = 1024
+    rope_theta: float = 10000.0
+    seed: int = 0
+    kv_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        check(isinstance(self.name, str) and bool(self.name), "model.name", self.name,
+               "a non-empty str")
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "intermediate_size", "max_context"):
+            check_positive_int(f"model.{name}", getattr(self, name))
+        check(self.num_heads % self.num_kv_heads == 0, "model.num_kv_heads",
+               self.num_kv_heads, f"a divisor of num_heads={self.num_heads}")
+        check(self.head_dim % 2 == 0, "model.head_dim", self.head_dim, "an even number")
+        check(self.vocab_size <= 2**32, "model.vocab_size", self.vocab_size, "<= 2**32")
+        one_of("model.kv_dtype", self.kv_dtype, KV_DTYPES)
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> ModelConfig:
+        """A named preset: ``tiny`` (fast tests) or ``small`` (benchmarks)."""
+        if name not in MODEL_PRESETS:
+            raise ValueError(f"model.name: unknown preset {name!r}; expected one of "
+                             f"{sorted(MODEL_PRESETS)}")
+        return dataclasses.replace(MODEL_PRESETS[name], **overrides)
+
+
+MODEL_PRESETS = {
+    "tiny": ModelConfig(),
+    "small": ModelConfig(name="small", vocab_size=4096, hidden_size=256, num_layers=4,
+                         num_heads=8, num_kv_heads=2, head_dim=32, intermediate_size=768,
+                         max_context=4096),
+}
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Layout of one KV page; its fingerprint partitions L3 between models and layouts.
+
+    A page is ``[2, num_layers, page_size, num_kv_heads, head_dim]`` (K and V).
+    """
+
+    model_id: str
+    kv_dtype: str
+    num_layers: int
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "page_size", "num_kv_heads", "head_dim", "tp_size"):
+            check_positive_int(f"layout.{name}", getattr(self, name))
+        check(isinstance(self.tp_rank, int) and 0 <= self.tp_rank < self.tp_size,
+               "layout.tp_rank", self.tp_rank, f"an int in [0, {self.tp_size})")
+        one_of("layout.kv_dtype", self.kv_dtype, KV_DTYPES)
+
+    @property
+    def page_shape(self) -> tuple[int, int, int, int, int]:
+        return (2, self.num_layers, self.page_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def fingerprint(self) -> str:
+        """Stable hex digest of every field (never Python's salted ``hash()``)."""
+        text = "|".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
+        return xxhash.xxh3_128_hexdigest(b"pd-cache/layout/v1\x00" + text.encode("utf-8"))
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The worker-local tiers: L1 device pool, L2 host pool and their radix tree."""
+
+    page_size: int = 16
+    hash_algo: str = "xxh3_128"
+    device_pages: int = 256
+    host_pages: int = 1024
+    write_policy: str = "write_through"
+
+    def __post_init__(self) -> None:
+        check_positive_int("cache.page_size", self.page_size)
+        one_of("cache.hash_algo", self.hash_algo, tuple(DIGEST_SIZES))
+        check_non_negative("cache.device_pages", self.device_pages)
+        check_non_negative("cache.host_pages", self.host_pages)
+        one_of("cache.write_policy", self.write_policy, WRITE_POLICIES)
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    """The L3 storage tier and the controller that prefetches from it."""
+
+    enabled: bool = True
+    backend: str = "memory"
+    capacity_bytes: int = 1 << 30
+    disk_path: str | None = None
+    num_shards: int = 1
+    batch_pages: int = 128
+    prefetch_policy: str = "best_effort"
+    prefetch_timeout_base_s: float = 0.05
+    prefetch_timeout_per_1k_tokens_s: float = 0.05
+    prefetch_timeout_max_s: float = 2.0
+    prefix_keys: bool = True
+    metrics_interval_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        one_of("storage.backend", self.backend, tuple(sorted(STORAGE_BACKENDS)))
+        check_positive_int("storage.capacity_bytes", self.capacity_bytes)
+        check(self.backend != "disk" or bool(self.disk_path), "storage.disk_path",
+               self.disk_path, "a directory when backend='disk'")
+        check_positive_int("storage.num_shards", self.num_shards)
+        check_positive_int("storage.batch_pages", self.batch_pages)
+        one_of("storage.prefetch_policy", self.prefetch_policy, PREFETCH_POLICIES)
+        for name in ("prefetch_timeout_base_s", "prefetch_timeout_per_1k_tokens_s",
+                     "prefetch_timeout_max_s"):
+            check_non_negative(f"storage.{name}", getattr(self, name))
+        check_positive("storage.metrics_interval_s", self.metrics_interval_s)
+
+    @property
+    def shard_capacity_bytes(self) -> int:
+        """Each tier actor's share: ``capacity_bytes`` is split evenly over the shards."""
+        return max(1, self.capacity_bytes // self.num_shards)
+
+
+@dataclass(frozen=True)
+class PDCacheConfig:
+    """Everything a worker needs; prefill and decode must share model and page size."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+
+    def __post_init__(self) -> None:
+        check(self.model.max_context >= self.cache.page_size, "cache.page_size",
+               self.cache.page_size, f"<= model.max_context={self.model.max_context}")
+
+    @property
+    def layout(self) -> KVLayout:
+        return KVLayout(model_id=f"{self.model.name}/seed{self.model.seed}",
+                        kv_dtype=self.model.kv_dtype, num_layers=self.model.num_layers,
+                        page_size=self.cache.page_size, num_kv_heads=self.model.num_kv_heads,
+                        head_dim=self.model.head_dim)
+
+    def check_compatible(self, other: PDCacheConfig) -> None:
+        """Cross-role rule: two workers exchanging KV must agree on its layout."""
+        if self.layout != other.layout or self.cache.hash_algo != other.cache.hash_algo:
+            raise ValueError(f"layout: workers disagree: {self.layout} / {other.layout}, "
+                             f"algo {self.cache.hash_algo} / {other.cache.hash_algo}")
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None, **base: Any) -> PDCacheConfig:
+        """Build from defaults, ``base`` sections, then ``PD_CACHE_<SECTION>_<FIELD>``.
+
+        For example ``PD_CACHE_MODEL_NAME=small`` or ``PD_CACHE_STORAGE_BACKEND=disk``.
+        """
+        env = os.environ if env is None else env
+        sections: dict[str, Any] = {}
+        for section, klass in (("model", ModelConfig), ("cache", CacheConfig),
+                               ("storage", StorageConfig)):
+            current = base.get(section) or klass()
+            preset = env.get(f"{ENV_PREFIX}MODEL_NAME") if section == "model" else None
+            if preset:
+                current = ModelConfig.preset(preset)
+            sections[section] = dataclasses.replace(current,
+                                                    **_env_fields(env, section, klass))
+        return cls(**sections)
+
+
+def _env_fields(env: Any, section: str, klass: type) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(klass):
+        key = f"{ENV_PREFIX}{section.upper()}_{f.name.upper()}"
+        if key in env and not (section == "model" and f.name == "name"):
+            out[f.name] = read_text(key, env[key], f.type)
+    return out

@@ -1,0 +1,86 @@
+"""Field checks and readers shared by every config dataclass.
+
+Every check raises ``ValueError`` naming the field (never ``assert``: ``python -O`` strips
+it). ``read_text`` turns an environment or command-line string into a field's type, and
+``from_mapping`` builds a config dataclass from a mapping (a Serve config's ``args``),
+refusing unknown keys and wrong types.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+import msgspec
+
+T = TypeVar("T")
+
+
+def check(ok: bool, field_name: str, value: Any, expected: str) -> None:
+    if not ok:
+        raise ValueError(f"{field_name}: expected {expected}, got {value!r}")
+
+
+def check_int_at_least(field_name: str, value: Any, low: int) -> None:
+    check(isinstance(value, int) and not isinstance(value, bool) and value >= low,
+          field_name, value, f"an int >= {low}")
+
+
+def check_positive_int(field_name: str, value: Any) -> None:
+    check_int_at_least(field_name, value, 1)
+
+
+def check_non_negative(field_name: str, value: Any) -> None:
+    check(isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0,
+          field_name, value, "a number >= 0")
+
+
+def check_positive(field_name: str, value: Any) -> None:
+    check(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
+          field_name, value, "a number > 0")
+
+
+def check_bool(field_name: str, value: Any) -> None:
+    check(isinstance(value, bool), field_name, value, "a bool")
+
+
+def one_of(field_name: str, value: Any, choices: tuple[str, ...]) -> None:
+    check(value in choices, field_name, value, f"one of {list(choices)}")
+
+
+def help_of(f: dataclasses.Field[Any]) -> str:
+    """A field's help text (``metadata={"help": ...}``), for flags and docs."""
+    return str(f.metadata.get("help", ""))
+
+
+def read_text(key: str, text: str, type_name: Any) -> Any:
+    """``text`` as the field type named ``type_name`` (``int``, ``float``, ``bool``, ``str``
+    or ``str | None``); ``ValueError`` naming ``key`` if it cannot be read."""
+    kind = str(type_name)
+    try:
+        if kind == "bool":
+            if text.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                raise ValueError
+            return text.lower() in ("1", "true", "yes")
+        if kind == "int":
+            return int(text)
+        if kind == "float":
+            return float(text)
+    except ValueError:
+        raise ValueError(f"{key}: cannot read {text!r} as {kind}") from None
+    return text
+
+
+def from_mapping(cls: type[T], values: Mapping[str, Any], where: str = "") -> T:
+    """``cls(**values)`` with types checked and unknown keys refused, naming the key."""
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise ValueError(f"{where}{unknown[0]}: unknown field; expected one of "
+                         f"{sorted(names)}")
+    try:
+        return msgspec.convert(dict(values), cls)
+    except msgspec.ValidationError as exc:
+        at = str(exc).rpartition("`$.")[2].rstrip("`")
+        raise ValueError(f"{where}{at if at != str(exc) else 'args'}: {exc}") from None

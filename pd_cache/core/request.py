@@ -1,0 +1,126 @@
+"""The request: what a client asks for, validated once, at admission.
+
+``Req`` is a ``msgspec.Struct`` so it crosses actor and HTTP boundaries as a typed wire
+value; ``__post_init__`` runs on construction *and* on decode, so a request read off the
+wire is checked the same way as one built in Python. ``Req.admit`` adds the checks that
+need the model (vocabulary size, context length). ``compute_prefix_hash`` names a request's
+pages in its own namespace: the one way every process names them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from pd_cache.core.hashing import MAX_TOKEN, page_hashes, token_buffer
+
+MAX_NAMESPACE_BYTES = 256
+
+
+class SamplingParams(msgspec.Struct, frozen=True, gc=False):
+    """Greedy by default; ``temperature > 0`` samples with a per-request ``seed``."""
+
+    temperature: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise ValueError(f"sampling.temperature: expected a number >= 0, "
+                             f"got {self.temperature!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def check_namespace(field: str, value: Any) -> None:
+    """A namespace part is ``None`` or a non-empty str of at most 256 UTF-8 bytes."""
+    if value is None:
+        return
+    if not isinstance(value, str):
+        raise ValueError(f"{field}: expected a non-empty str or None, "
+                         f"got {type(value).__name__} {value!r}")
+    if not value:
+        raise ValueError(f"{field}: expected a non-empty str or None, got ''")
+    size = len(value.encode("utf-8"))
+    if size > MAX_NAMESPACE_BYTES:
+        raise ValueError(f"{field}: {size} UTF-8 bytes, at most {MAX_NAMESPACE_BYTES} "
+                         f"allowed: {value[:40]!r}...")
+
+
+class Req(msgspec.Struct, kw_only=True):
+    """One generation request. ``output_ids`` fills as it decodes."""
+
+    rid: str
+    input_ids: list[int]
+    extra_key: str | None = None
+    cache_salt: str | None = None
+    max_new_tokens: int = 16
+    sampling: SamplingParams = SamplingParams()
+    output_ids: list[int] = []
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rid, str) or not self.rid:
+            raise ValueError(f"rid: expected a non-empty str, got {self.rid!r}")
+        if isinstance(self.input_ids, (str, bytes)) or not hasattr(self.input_ids, "__len__"):
+            raise ValueError(f"input_ids: expected a list of ints, got "
+                             f"{type(self.input_ids).__name__}")
+        if len(self.input_ids) == 0:
+            raise ValueError(f"input_ids: empty prompt (rid={self.rid!r})")
+        try:
+            buf = token_buffer(self.input_ids)
+        except ValueError as exc:
+            raise ValueError(f"input_ids{str(exc).removeprefix('tokens')}") from None
+        if not isinstance(self.input_ids, list):
+            self.input_ids = buf.tolist()
+        check_namespace("extra_key", self.extra_key)
+        check_namespace("cache_salt", self.cache_salt)
+        if (isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int)
+                or self.max_new_tokens < 0):
+            raise ValueError(f"max_new_tokens: expected an int >= 0, got "
+                             f"{self.max_new_tokens!r}")
+
+    @classmethod
+    def admit(cls, *, vocab_size: int = MAX_TOKEN, max_context: int | None = None,
+              **fields: Any) -> Req:
+        """Build and validate a request against the model that will serve it.
+
+        Raises ``ValueError`` naming the field and value: an empty prompt, a token id
+        ``>= vocab_size``, a prompt plus ``max_new_tokens`` longer than ``max_context``,
+        or a namespace that is not a non-empty str of at most 256 UTF-8 bytes.
+        """
+        req = cls(**fields)
+        req.check_model(vocab_size=vocab_size, max_context=max_context)
+        return req
+
+    def check_model(self, *, vocab_size: int, max_context: int | None) -> None:
+        """The checks that need the model: vocabulary range and context length."""
+        ids = token_buffer(self.input_ids)
+        if vocab_size < MAX_TOKEN and int(ids.max()) >= vocab_size:
+            i = int((ids >= vocab_size).argmax())
+            raise ValueError(f"input_ids[{i}]: token id {int(ids[i])} is outside the "
+                             f"vocabulary [0, {vocab_size})")
+        total = len(ids) + self.max_new_tokens
+        if max_context is not None and total > max_context:
+            raise ValueError(f"input_ids: prompt of {len(ids)} tokens + max_new_tokens="
+                             f"{self.max_new_tokens} exceeds the model context {max_context}")
+
+    @property
+    def namespace(self) -> tuple[str | None, str | None]:
+        return (self.extra_key, self.cache_salt)
+
+    @property
+    def all_ids(self) -> list[int]:
+        """Prompt followed by what has been generated so far."""
+        return self.input_ids + self.output_ids
+
+
+def compute_prefix_hash(req: Req, tokens: Any, prior: bytes | None = None, *,
+                        page_size: int, algo: str = "xxh3_128") -> list[bytes]:
+    """Names of ``tokens``' full pages in ``req``'s own namespace.
+
+    The namespace is read from the request, so no caller can pass the wrong one.
+    """
+    return page_hashes(tokens, page_size, extra_key=req.extra_key, cache_salt=req.cache_salt,
+                       prior=prior, algo=algo)

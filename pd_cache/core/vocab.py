@@ -1,0 +1,74 @@
+"""The words that cross modules and processes, each defined once.
+
+Tiers, event and miss-reason vocabularies, the counter kinds the tiering layer writes into
+``Stats``, page and token kinds, and worker roles. They are small and fixed, so metrics use
+them as label values as they are (``pd_cache.metrics.VOCABULARIES`` is built from here).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class Tier(str, Enum):
+    """Where a cached page was found: L1 device pool, L2 host pool, L3 storage."""
+
+    DEVICE = "device"
+    HOST = "host"
+    STORAGE = "storage"
+
+
+TIERS: tuple[str, ...] = tuple(t.value for t in Tier)
+
+
+class MissReason(str, Enum):
+    """Why an L3 lookup did not produce a usable page."""
+
+    NOT_STORED = "not_stored"
+    EVICTED = "evicted"
+    VERIFICATION_FAILED = "verification_failed"
+    NAMESPACE_REFUSED = "namespace_refused"
+    TIMEOUT = "timeout"
+    STORAGE_ERROR = "storage_error"
+
+
+class Event(str, Enum):
+    """What happened to a page at a tier."""
+
+    HIT = "hit"
+    MISS = "miss"
+    STORED = "stored"
+    EVICTED = "evicted"
+    REFUSED = "refused"
+    VERIFICATION_FAILED = "verification_failed"
+
+
+# Counter kinds of a worker's ``Stats`` beside the events (``kind/reason`` keys).
+PREFETCH_BATCH = "prefetch_batch"   # one per L3 get batch issued
+PREFETCH_ACK = "prefetch_ack"       # reasons: ok | short
+BACKUP = "backup"                   # prefill write-through; reasons: page | failed_batch
+OFFLOAD = "offload"                 # decode's writes; same reasons, plus the page kinds
+DECODE = "decode"                   # reasons: step (batched forwards), token (tokens drawn)
+PAGE, FAILED_BATCH = "page", "failed_batch"
+
+# What an offloaded page holds: prompt KV, or KV of generated tokens.
+PROMPT, GENERATED = "prompt", "generated"
+PAGE_KINDS = (PROMPT, GENERATED)
+TOKEN_KINDS = ("prompt", "computed", "generated")
+
+ROLES = ("prefill", "decode")
+NAMESPACE_KINDS = ("none", "extra_key", "cache_salt", "both")
+
+
+def namespace_kind(extra_key: str | None, cache_salt: str | None) -> str:
+    """Which namespace parts a request set (never their values): a metric label."""
+    if extra_key is not None and cache_salt is not None:
+        return "both"
+    if extra_key is not None:
+        return "extra_key"
+    return "cache_salt" if cache_salt is not None else "none"
+
+
+def text(value: Enum | str) -> str:
+    """The plain string of a vocabulary word, whether given as enum member or str."""
+    return value.value if isinstance(value, Enum) else value

@@ -1,0 +1,102 @@
+"""Wire types: what crosses between the router, prefill and decode processes.
+
+``PrefillInfo`` travels beside the prompt's KV pages (one tensor, handed over as an
+ObjectRef) from prefill to the router and decode; ``DecodeInfo`` comes back from decode;
+``WorkerState`` answers a health and leak check; ``Completion`` is what a caller of the
+cluster gets; ``PageNames`` is a debug view of one request's names in every process.
+None of them holds a tensor, so importing this module loads neither torch nor Ray.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import msgspec
+
+
+class PrefillInfo(msgspec.Struct, frozen=True, gc=False):
+    """What prefill tells the router and decode, next to the KV pages.
+
+    ``page_names`` name the prompt's full pages (as the engine used them);
+    ``cached_tokens`` counts prompt tokens served by each tier; ``foreign_pages`` counts
+    cached pages whose engine name differs from the name this worker computed for the
+    request's namespace (must stay 0).
+    """
+
+    rid: str
+    worker: int
+    first_token: int
+    num_prompt_tokens: int
+    page_size: int
+    page_names: tuple[bytes, ...]
+    cached_tokens: dict[str, int]
+    foreign_pages: int
+    compute_s: float
+
+    @property
+    def cached_pages(self) -> int:
+        return sum(self.cached_tokens.values()) // self.page_size
+
+    @property
+    def num_kv_pages(self) -> int:
+        """Pages handed to decode (the last one possibly partial)."""
+        return -(-self.num_prompt_tokens // self.page_size)
+
+
+class DecodeInfo(msgspec.Struct, frozen=True, gc=False):
+    """A finished decode: the generated tokens and what moved.
+
+    ``page_names`` name every full page of prompt + output in the request's namespace, as
+    this worker computes them (the chain continued past the prompt).
+    """
+
+    rid: str
+    worker: int
+    output_ids: list[int]
+    pages_received: int
+    page_names: tuple[bytes, ...]
+    handoff_s: float
+    decode_s: float
+
+
+class WorkerState(NamedTuple):
+    """Between requests: locks 0 and every pool slot owned by the cache (``radix``)."""
+
+    worker: int
+    role: str
+    locks: int
+    pool_usage: dict[str, dict[str, int]]
+
+
+class Completion(NamedTuple):
+    """One finished request as the caller sees it.
+
+    ``cross_namespace_tokens``: cached prompt tokens whose page name was produced in
+    another namespace, or that the prefill worker found under a name other than the one it
+    computed for the request (must be 0); ``unattributed_tokens``: cached tokens of pages
+    no worker of this cluster reported producing (for example a disk tier's older pages).
+    """
+
+    rid: str
+    output_ids: list[int]
+    num_prompt_tokens: int
+    cached_tokens: dict[str, int]
+    prefill_worker: int
+    decode_worker: int
+    ttft_s: float
+    latency_s: float
+    pages_handed_off: int
+    cross_namespace_tokens: int
+    unattributed_tokens: int
+    prefill_s: float = 0.0   # the prefill worker's own time (match, L3, compute)
+    handoff_s: float = 0.0   # decode fetching the prompt's KV pages
+    decode_s: float = 0.0    # decode, batched with the other requests in flight
+
+
+class PageNames(NamedTuple):
+    """A request's prompt page names as each process computes them (a debug view)."""
+
+    router: list[bytes]
+    prefill: list[list[bytes]]
+    decode: list[list[bytes]]
+    storage: list[list[bytes]]

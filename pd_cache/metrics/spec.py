@@ -1,0 +1,134 @@
+"""The list of every pd-cache metric instrument and the vocabularies of its labels.
+
+``METRICS`` lists every instrument once: name, kind, labels, help and buckets; tests, the
+Grafana dashboard and the README table are checked against it. Label values come from
+fixed vocabularies (``VOCABULARIES``, built from ``pd_cache.core.vocab``) and anything else
+raises ``ValueError``, so a request id, a token, a raw salt or an adapter name can never
+become a label value (each would be a new time series per request).
+"""
+
+from __future__ import annotations
+
+import math
+from enum import Enum
+from typing import Any, NamedTuple
+
+from pd_cache.core.config import STORAGE_BACKENDS
+from pd_cache.core.vocab import (
+    NAMESPACE_KINDS,
+    PAGE_KINDS,
+    ROLES,
+    TIERS,
+    TOKEN_KINDS,
+    Event,
+    MissReason,
+)
+
+VOCABULARIES: dict[str, tuple[str, ...]] = {
+    "role": ROLES,
+    "tier": TIERS,
+    "reason": tuple(r.value for r in MissReason),
+    "event": tuple(e.value for e in Event),
+    "backend": tuple(STORAGE_BACKENDS),
+    "namespace_kind": NAMESPACE_KINDS,
+    "token_kind": TOKEN_KINDS,
+    "page_kind": PAGE_KINDS,
+}
+
+# Seconds. TTFT spans a cached hit (ms) to a long cold prompt (tens of s); transfers of a
+# page batch span sub-ms (one node, zero-copy) to seconds (a slow L3).
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                    2.5, 5.0)
+
+
+class MetricSpec(NamedTuple):
+    name: str
+    kind: str  # "counter" | "gauge" | "histogram"
+    labels: tuple[str, ...]
+    help: str
+    buckets: tuple[float, ...] = ()
+
+    def series(self, prefix: str = "") -> tuple[str, ...]:
+        """Names of the time series this instrument exposes, as PromQL sees them."""
+        base = prefix + self.name
+        if self.kind == "histogram":
+            return (base + "_bucket", base + "_count", base + "_sum")
+        return (base,)
+
+
+def _c(name: str, labels: tuple[str, ...], text: str) -> MetricSpec:
+    return MetricSpec(name, "counter", labels, text)
+
+
+def _g(name: str, labels: tuple[str, ...], text: str) -> MetricSpec:
+    return MetricSpec(name, "gauge", labels, text)
+
+
+def _h(name: str, labels: tuple[str, ...], text: str, buckets: tuple[float, ...]) -> MetricSpec:
+    return MetricSpec(name, "histogram", labels, text, buckets)
+
+
+METRICS: tuple[MetricSpec, ...] = (
+    _c("pd_cache_requests_total", ("role", "namespace_kind"), "Requests handled, by role."),
+    _c("pd_cache_tokens_total", ("role", "token_kind"),
+       "Tokens: prompt (admitted), computed (prefilled by the model), generated (decoded)."),
+    _c("pd_cache_cached_tokens_total", ("tier",),
+       "Prompt tokens whose KV came from a cache tier instead of being computed."),
+    _c("pd_cache_storage_misses_total", ("reason",),
+       "L3 pages that could not be used, by reason."),
+    _c("pd_cache_storage_events_total", ("backend", "event"),
+       "L3 page events (hit, miss, stored, evicted, refused, verification_failed)."),
+    _c("pd_cache_prefetch_pages_total", ("backend",), "Pages prefetched L3 -> host."),
+    _c("pd_cache_prefetch_bytes_total", ("backend",), "Bytes prefetched L3 -> host."),
+    _h("pd_cache_prefetch_seconds", ("backend",), "Duration of one prefetch batch.",
+       TRANSFER_BUCKETS),
+    _c("pd_cache_backup_pages_total", ("backend",), "Pages written back to L3."),
+    _c("pd_cache_backup_bytes_total", ("backend",), "Bytes written back to L3."),
+    _h("pd_cache_backup_seconds", ("backend",), "Duration of one write-back batch.",
+       TRANSFER_BUCKETS),
+    _c("pd_cache_handoff_pages_total", (), "KV pages handed from prefill to decode."),
+    _c("pd_cache_handoff_bytes_total", (), "KV bytes handed from prefill to decode."),
+    _h("pd_cache_handoff_seconds", (), "Duration of one prefill -> decode KV handoff.",
+       TRANSFER_BUCKETS),
+    _c("pd_cache_offload_pages_total", ("page_kind",), "Pages the decode side offloaded to L3."),
+    _g("pd_cache_pool_used_pages", ("tier",), "Pages in use in a tier's pool."),
+    _g("pd_cache_pool_capacity_pages", ("tier",), "Capacity of a tier's pool in pages."),
+    _h("pd_cache_ttft_seconds", ("role",), "Time to first token.", TTFT_BUCKETS),
+    _h("pd_cache_inter_token_seconds", ("role",), "Time between two output tokens.",
+       TOKEN_BUCKETS),
+)
+METRIC_NAMES: dict[str, MetricSpec] = {spec.name: spec for spec in METRICS}
+RAY_PREFIX = "ray_"
+EXPORTERS = ("auto", "ray", "prometheus")
+
+
+def exported_series(prefix: str = "") -> frozenset[str]:
+    """Every series name PromQL can use, e.g. ``exported_series(RAY_PREFIX)`` for a cluster."""
+    return frozenset(name for spec in METRICS for name in spec.series(prefix))
+
+
+def markdown_table() -> str:
+    """The README's metrics table, generated from ``METRICS``."""
+    rows = ["| name | kind | labels | meaning |", "|---|---|---|---|"]
+    for s in METRICS:
+        labels = ", ".join(s.labels) or "-"
+        rows.append(f"| `{s.name}` | {s.kind} | {labels} | {s.help} |")
+    return "\n".join(rows)
+
+
+def check_label(spec: MetricSpec, key: str, value: Any) -> str:
+    """The label value as text, or ``ValueError`` if it is outside its vocabulary."""
+    text = value.value if isinstance(value, Enum) else value
+    if text not in VOCABULARIES[key]:
+        raise ValueError(f"{spec.name}: label {key}={value!r} is not one of "
+                         f"{list(VOCABULARIES[key])}")
+    return text
+
+
+def amount(spec: MetricSpec, field: str, value: Any) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or math.isnan(value) or math.isinf(value) or value < 0:
+        raise ValueError(f"{spec.name}: {field}: expected a finite number >= 0, got {value!r}")
+    return float(value)

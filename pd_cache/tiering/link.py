@@ -1,0 +1,75 @@
+"""``StorageLink``: what the read path and the write path share towards one backend.
+
+The call context of every batch (``ExtraInfo``), the hit query (``batch_exists`` batch by
+batch) and the rule for faults: a storage fault is logged with the request id, counted by
+reason, and ends as a miss; it never reaches the request.
+
+``ExtraInfo.prefix_keys`` is ``None`` when ``storage.prefix_keys`` is off, else the names
+before the batch, rebuilt per batch as ``prefix = prefix + batch``: a list already handed
+to a backend is never mutated.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from pd_cache.core.config import KVLayout, StorageConfig
+from pd_cache.core.request import Req
+from pd_cache.core.stats import Stats
+from pd_cache.core.vocab import Event, MissReason
+from pd_cache.storage.base import ExtraInfo, StorageBackend
+from pd_cache.tiering.chain import Chain, batches
+
+log = logging.getLogger("pd_cache.tiering")
+
+
+class StorageLink:
+    """One worker's calls to one ``StorageBackend``; ``call_timeout_s`` bounds each wait."""
+
+    def __init__(self, storage: StorageBackend, config: StorageConfig, layout: KVLayout, *,
+                 algo: str, stats: Stats, call_timeout_s: float) -> None:
+        if not isinstance(storage, StorageBackend):
+            raise ValueError(f"storage: expected a StorageBackend, got {type(storage).__name__}")
+        if not isinstance(config, StorageConfig):
+            raise ValueError(f"config: expected StorageConfig, got {type(config).__name__}")
+        if not call_timeout_s > 0:
+            raise ValueError(f"call_timeout_s: expected a number > 0, got {call_timeout_s!r}")
+        self.storage, self.config, self.layout = storage, config, layout
+        self.page_size, self.algo = layout.page_size, algo
+        self.stats, self.call_timeout_s = stats, call_timeout_s
+
+    def info(self, req: Req, chain: Chain, prefix: list[bytes] | None) -> ExtraInfo:
+        return ExtraInfo(prefix_keys=prefix, namespace_seed=chain.seed, request_id=req.rid)
+
+    def start_prefix(self, chain: Chain) -> list[bytes] | None:
+        """``prefix_keys`` of the chain's first batch (``None``: the feature is off)."""
+        return list(chain.prefix) if self.config.prefix_keys else None
+
+    def query(self, req: Req, chain: Chain, *, count: bool = True) -> int:
+        """How many of ``chain.names``, from the first, L3 holds (``0`` on a fault).
+
+        ``count``: count the pages L3 lacks as misses (a lookup, not a pre-write check).
+        """
+        prefix, hits = self.start_prefix(chain), 0
+        for batch in batches(chain.names, self.config.batch_pages):
+            try:
+                found = int(self.storage.submit_exists(batch, self.info(req, chain, prefix))
+                            .result(self.call_timeout_s))
+            except Exception as e:  # noqa: BLE001 - a cache fault never fails the request
+                self.fault(req, "exists", MissReason.STORAGE_ERROR, e, len(chain.names) - hits)
+                return 0
+            hits += min(found, len(batch))
+            if found < len(batch):
+                break
+            prefix = None if prefix is None else prefix + batch
+        if count and hits < len(chain.names):
+            self.stats.count(Event.MISS, MissReason.NOT_STORED, len(chain.names) - hits)
+        return hits
+
+    def fault(self, req: Req, what: str, reason: MissReason, error: BaseException,
+              num_pages: int) -> None:
+        """Log a failed call once with the request id and count it (as a miss of
+        ``num_pages`` pages, or once when none were at stake)."""
+        log.warning("request %s: L3 %s failed (%s: %s); recomputing", req.rid, what,
+                    type(error).__name__, str(error)[:200])
+        self.stats.count(Event.MISS, reason, num_pages or 1)

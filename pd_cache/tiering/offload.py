@@ -1,0 +1,99 @@
+"""``DecodeOffloadManager``: the decode side's writes to L3.
+
+When decode starts it writes the prompt's full pages that L3 lacks; then, each time
+``stride`` new tokens have filled whole pages, it backs those pages up. Their names
+continue the prompt's chain from the last name written, so they equal the names a prefill
+of ``prompt + output`` computes, and the next turn of a conversation finds them::
+
+    prompt  |p0|p1|p2|p3 ..|          names h1 h2 h3 (p3 partial: no name yet)
+    decode  |p0|p1|p2|p3 +out|o1 ..|  h4 = H(h3 || tokens of page 4), h5 = H(h4 || ..)
+
+Only pages whose every token has KV are written (decode never computes the KV of the
+last token it draws). All writes go through the controller's background thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pd_cache.core.request import Req
+from pd_cache.core.request import compute_prefix_hash as chain_names
+from pd_cache.core.vocab import GENERATED, OFFLOAD, PROMPT
+from pd_cache.kv.pages import kv_to_pages
+from pd_cache.tiering.controller import CacheController
+
+
+@dataclass
+class OffloadState:
+    """One request's progress: the chain names written so far and the pages they cover."""
+
+    req: Req
+    names: list[bytes] = field(default_factory=list)
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.names)
+
+    @property
+    def last_name(self) -> bytes | None:
+        return self.names[-1] if self.names else None
+
+
+class DecodeOffloadManager:
+    """Backs up a decoding request's KV pages to L3 through a ``CacheController``.
+
+    ``stride`` (tokens, default one page) is how many newly computed tokens are gathered
+    before their full pages are written.
+    """
+
+    def __init__(self, controller: CacheController, *, stride: int | None = None) -> None:
+        if not isinstance(controller, CacheController):
+            raise ValueError(f"controller: expected a CacheController, got "
+                             f"{type(controller).__name__}")
+        self.controller = controller
+        self.page_size = controller.page_size
+        stride = self.page_size if stride is None else stride
+        if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
+            raise ValueError(f"stride: expected an int >= 1 (tokens), got {stride!r}")
+        self.stride = stride
+
+    def compute_prefix_hash(self, req: Req, tokens: Any,
+                            prior: bytes | None = None) -> list[bytes]:
+        """Names of ``tokens``' full pages in ``req``'s namespace, continuing ``prior``."""
+        return chain_names(req, tokens, prior, page_size=self.page_size,
+                           algo=self.controller.algo)
+
+    def offload_kv_cache(self, req: Req, prompt_pages: torch.Tensor) -> OffloadState:
+        """Decode starts: write the prompt's full pages that L3 lacks (in the background).
+
+        ``prompt_pages`` ``[>= n // page_size, *page_shape]`` hold the prompt's KV.
+        """
+        full = len(req.input_ids) // self.page_size
+        names = self.compute_prefix_hash(req, req.input_ids[:full * self.page_size])
+        if names:
+            self.controller.backup(req, names, req.input_ids[:full * self.page_size],
+                                   prompt_pages[:full].clone(), skip_stored=True,
+                                   kind=OFFLOAD, page_kind=PROMPT)
+        return OffloadState(req, names)
+
+    def advance(self, state: OffloadState, tokens: list[int], kv: torch.Tensor,
+                num_computed: int, *, final: bool = False) -> int:
+        """``kv`` ``[2, L, >= num_computed, Hkv, D]`` now holds the KV of the first
+        ``num_computed`` of ``tokens`` (``prompt + output`` so far): once ``stride`` tokens
+        wait past the pages already written (or ``final``), write the full pages among
+        them. Returns the number of pages sent."""
+        ps, done = self.page_size, state.num_pages
+        full = num_computed // ps
+        waiting = num_computed - done * ps
+        if full <= done or (waiting < self.stride and not final):
+            return 0
+        tokens = tokens[done * ps:full * ps]
+        names = self.compute_prefix_hash(state.req, tokens, state.last_name)
+        pages = kv_to_pages(kv[:, :, done * ps:full * ps], ps)
+        self.controller.backup(state.req, names, tokens, pages, state.names, kind=OFFLOAD,
+                               page_kind=GENERATED)
+        state.names = state.names + names
+        return len(names)

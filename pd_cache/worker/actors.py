@@ -1,0 +1,139 @@
+"""Ray actors hosting the workers: thin wrappers and small builder functions.
+
+The prompt's KV leaves the prefill actor as the second return value of ``prefill`` (a
+task's return value is owned by the caller, so it outlives nothing it should not), and
+reaches the decode actor as an ObjectRef nested in a list, so that the decode actor
+fetches it itself and can time the handoff. With ``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1``
+in every actor's environment the fetched tensor is a zero-copy view of shared memory,
+which the decode worker copies before use.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+import torch
+
+from pd_cache.core.config import PDCacheConfig
+from pd_cache.core.request import Req
+from pd_cache.core.wire import DecodeInfo, PrefillInfo, WorkerState
+from pd_cache.worker.workers import DecodeWorker, PrefillWorker
+
+ACTOR_ENV = {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1", "OMP_NUM_THREADS": "1"}
+DECODE_CONCURRENCY = 64   # decode calls one batching actor takes in at once
+
+
+def _storage_client(handles: Sequence[Any], config: PDCacheConfig,
+                    timeout_s: float | None) -> Any:
+    if not handles or not config.storage.enabled:
+        return None
+    from pd_cache.storage.client import StorageClient
+
+    return StorageClient(handles, algo=config.cache.hash_algo, timeout_s=timeout_s)
+
+
+class _Host:
+    """What both actors share: the worker, its L3 client and metrics."""
+
+    worker: Any
+
+    def __init__(self, worker_class: type, config: PDCacheConfig, worker_id: int,
+                 storage_handles: Sequence[Any], threads: int,
+                 storage_timeout_s: float | None, **worker_options: Any) -> None:
+        from pd_cache.metrics import PDCacheMetrics
+
+        torch.set_num_threads(threads)
+        # NOTE: both warnings concern tensors shared zero-copy through the object store: the
+        # pages prefill returns are never written after return, and decode copies what it
+        # receives before use.
+        warnings.filterwarnings("ignore", message=".*[Zz]ero-copy tensor.*")
+        warnings.filterwarnings("ignore", message=".*non-writable tensors.*")
+        storage = _storage_client(storage_handles, config, storage_timeout_s)
+        self.worker = worker_class(config, worker_id=worker_id, metrics=PDCacheMetrics("auto"),
+                                   storage=storage, storage_timeout_s=storage_timeout_s or 30.0,
+                                   **worker_options)
+
+    def page_names(self, req: Req) -> list[bytes]:
+        return self.worker.page_names(req)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        return self.worker.flush(timeout)
+
+    def l3_writes(self) -> dict[str, int]:
+        return self.worker.l3_writes()
+
+    def state(self) -> WorkerState:
+        return self.worker.state()
+
+    def engine_stats(self) -> dict[str, int]:
+        return self.worker.engine_stats()
+
+    def close(self) -> None:
+        self.worker.close()
+
+    def ready(self) -> int:
+        return self.worker.worker_id
+
+
+class PrefillActor(_Host):
+    def __init__(self, config: PDCacheConfig, worker_id: int, storage_handles: Sequence[Any],
+                 threads: int = 1, storage_timeout_s: float | None = 10.0) -> None:
+        super().__init__(PrefillWorker, config, worker_id, storage_handles, threads,
+                         storage_timeout_s)
+
+    @ray.method(num_returns=2)
+    def prefill(self, req: Req) -> tuple[PrefillInfo, torch.Tensor]:
+        info, pages = self.worker.prefill(req)
+        return info, pages
+
+
+class DecodeActor(_Host):
+    """A threaded actor (``max_concurrency``): each ``decode`` call waits on its own
+    thread while the worker's batcher runs the steps of every call in flight together."""
+
+    def __init__(self, config: PDCacheConfig, worker_id: int, storage_handles: Sequence[Any],
+                 threads: int = 1, storage_timeout_s: float | None = 10.0,
+                 max_batch: int = 1) -> None:
+        super().__init__(DecodeWorker, config, worker_id, storage_handles, threads,
+                         storage_timeout_s, max_batch=max_batch)
+
+    def decode(self, req: Req, info: PrefillInfo, page_refs: list[Any]) -> DecodeInfo:
+        start = time.perf_counter()
+        pages = ray.get(page_refs[0])
+        return self.worker.decode(req, info, pages, time.perf_counter() - start)
+
+
+@functools.cache
+def _remote(cls: type) -> Any:
+    return ray.remote(cls)
+
+
+def _options(num_cpus: float, max_restarts: int, max_concurrency: int = 1) -> dict[str, Any]:
+    return {"num_cpus": num_cpus, "max_restarts": max_restarts,
+            "max_concurrency": max_concurrency, "runtime_env": {"env_vars": dict(ACTOR_ENV)}}
+
+
+def prefill_actor(config: PDCacheConfig, worker_id: int, storage_handles: Sequence[Any] = (),
+                  *, threads: int = 1, num_cpus: float = 0, max_restarts: int = 0,
+                  storage_timeout_s: float | None = 10.0) -> Any:
+    """A ``PrefillActor`` handle; ``prefill.remote(req)`` returns ``(info_ref, pages_ref)``."""
+    return _remote(PrefillActor).options(**_options(num_cpus, max_restarts)).remote(
+        config, worker_id, list(storage_handles), threads, storage_timeout_s)
+
+
+def decode_actor(config: PDCacheConfig, worker_id: int, storage_handles: Sequence[Any] = (),
+                 *, threads: int = 1, num_cpus: float = 0, max_restarts: int = 0,
+                 storage_timeout_s: float | None = 10.0, max_batch: int = 1) -> Any:
+    """A ``DecodeActor`` handle; ``decode.remote(req, info, [pages_ref])`` -> ``DecodeInfo``.
+
+    ``max_batch > 1``: up to that many requests decode together; the actor then takes
+    more calls at once than it batches (the rest wait in the batcher's queue).
+    """
+    concurrency = 1 if max_batch == 1 else DECODE_CONCURRENCY
+    return _remote(DecodeActor).options(**_options(num_cpus, max_restarts, concurrency)).remote(
+        config, worker_id, list(storage_handles), threads, storage_timeout_s, max_batch)

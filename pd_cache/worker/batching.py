@@ -1,0 +1,124 @@
+"""``DecodeBatcher``: continuous batching of decode steps on one engine.
+
+Callers (a decode actor's request threads) hand in a request and block; one thread owns
+the engine and, step after step, runs every request in flight in one batched forward.
+A request joins at the next step after it arrives and leaves as soon as it has its
+tokens, so a long answer never holds a short one back::
+
+    step    1    2    3    4    5    6
+    req a   a1   a2   a3   a4                 (done: its caller wakes up)
+    req b        b1   b2   b3   b4   b5
+    req c                  c1   c2   c3 ...
+
+Every engine call (``start_decode``, ``decode_step``, ``finish_decode``) runs on that one
+thread, so the engine stays single-threaded. A bad request fails alone: its caller gets
+the ``ValueError``, the others keep going.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from concurrent.futures import Future
+from typing import NamedTuple
+
+import torch
+
+from pd_cache.core.request import Req
+from pd_cache.worker.engine import DecodeSeq, LocalEngine
+
+
+class _Job(NamedTuple):
+    req: Req
+    pages: torch.Tensor
+    num_prompt_tokens: int
+    first_token: int
+    done: Future[list[int]]
+
+
+class DecodeBatcher:
+    """Decodes the requests handed to ``decode`` from any thread, up to ``max_batch`` per
+    forward; the rest wait their turn in arrival order."""
+
+    def __init__(self, engine: LocalEngine, *, max_batch: int = 8) -> None:
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch: expected an int >= 1, got {max_batch!r}")
+        self.engine, self.max_batch = engine, max_batch
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name="pd-cache-decode",
+                                        daemon=True)
+        self._closed = False
+        self._thread.start()
+
+    def decode(self, req: Req, pages: torch.Tensor, num_prompt_tokens: int,
+               first_token: int) -> list[int]:
+        """Like ``LocalEngine.decode`` (same checks, same tokens), batched with the other
+        requests in flight; blocks until this one is done."""
+        return self.submit(req, pages, num_prompt_tokens, first_token).result()
+
+    def submit(self, req: Req, pages: torch.Tensor, num_prompt_tokens: int,
+               first_token: int) -> Future[list[int]]:
+        if self._closed:
+            raise RuntimeError("DecodeBatcher: closed")
+        done: Future[list[int]] = Future()
+        self._queue.put(_Job(req, pages, num_prompt_tokens, first_token, done))
+        return done
+
+    def close(self) -> None:
+        """Finish the requests already handed in, then stop the thread."""
+        if not self._closed:
+            self._closed = True
+            self._queue.put(None)
+            self._thread.join()
+
+    # -- the engine's thread ---------------------------------------------------------------
+
+    def _loop(self) -> None:
+        active: list[tuple[DecodeSeq, Future[list[int]]]] = []
+        stopping = False
+        while active or not stopping:
+            stopping = self._start_waiting(active, block=not active) or stopping
+            if not active:
+                continue
+            try:
+                self.engine.decode_step([seq for seq, _ in active])
+            except Exception as e:  # noqa: BLE001 - fail the batch, keep serving
+                for _, done in active:
+                    done.set_exception(e)
+                active.clear()
+                continue
+            active[:] = [(s, d) for s, d in active if not self._finish(s, d)]
+        while not self._queue.empty():   # handed in after close: never started
+            job = self._queue.get()
+            if job is not None:
+                job.done.set_exception(RuntimeError("DecodeBatcher: closed"))
+
+    def _start_waiting(self, active: list[tuple[DecodeSeq, Future[list[int]]]], *,
+               block: bool) -> bool:
+        """Start the jobs waiting, up to the batch size; ``True`` once ``close`` was seen."""
+        while len(active) < self.max_batch:
+            try:
+                job = self._queue.get(block=block)
+            except queue.Empty:
+                return False
+            if job is None:
+                return True
+            block = False
+            try:
+                seq = self.engine.start_decode(job.req, job.pages, job.num_prompt_tokens,
+                                               job.first_token)
+            except Exception as e:  # noqa: BLE001 - the caller gets it
+                job.done.set_exception(e)
+                continue
+            if not self._finish(seq, job.done):
+                active.append((seq, job.done))
+        return False
+
+    def _finish(self, seq: DecodeSeq, done: Future[list[int]]) -> bool:
+        if not seq.done:
+            return False
+        try:
+            done.set_result(self.engine.finish_decode(seq))
+        except Exception as e:  # noqa: BLE001
+            done.set_exception(e)
+        return True

@@ -1,0 +1,188 @@
+"""Prefill and decode workers: plain classes around one ``LocalEngine`` each.
+
+They import and run without Ray (``pd_cache.worker.actors`` hosts them in actors). What crosses
+between them is typed: ``PrefillInfo`` (small, msgspec) travels next to the prompt's KV
+pages (one tensor, handed over as an ObjectRef), and ``DecodeInfo`` comes back::
+
+    PrefillWorker.prefill(req)  -> PrefillResult(info: PrefillInfo, kv_pages)
+    DecodeWorker.decode(req, info, kv_pages, handoff_s) -> DecodeInfo
+
+Each worker names the request's pages in its own process (``page_names``) and the prefill
+worker checks that the engine looked its cached pages up under exactly those names: a
+cached page under any other name is counted in ``PrefillInfo.foreign_pages``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, NamedTuple
+
+import torch
+
+from pd_cache.core.config import PDCacheConfig
+from pd_cache.core.hashing import from_hex
+from pd_cache.core.request import Req, compute_prefix_hash
+from pd_cache.core.vocab import GENERATED, OFFLOAD, PROMPT, TIERS, namespace_kind
+from pd_cache.core.wire import DecodeInfo, PrefillInfo, WorkerState
+from pd_cache.metrics import PDCacheMetrics
+from pd_cache.worker.batching import DecodeBatcher
+from pd_cache.worker.engine import LocalEngine
+
+
+class PrefillResult(NamedTuple):
+    info: PrefillInfo
+    kv_pages: torch.Tensor
+
+
+class _Worker:
+    role = ""
+
+    def __init__(self, config: PDCacheConfig, *, worker_id: int = 0, storage: Any = None,
+                 metrics: PDCacheMetrics | None = None, storage_timeout_s: float = 30.0) -> None:
+        if not isinstance(config, PDCacheConfig):
+            raise ValueError(f"config: expected PDCacheConfig, got {type(config).__name__}")
+        self.config, self.worker_id, self.metrics = config, worker_id, metrics
+        self.page_size = config.cache.page_size
+        self.engine = LocalEngine(config, storage=storage, storage_timeout_s=storage_timeout_s)
+        self._offloaded = dict.fromkeys((PROMPT, GENERATED), 0)
+
+    def page_names(self, req: Req) -> list[bytes]:
+        """The request's prompt page names as this process's engine computes them (debug)."""
+        return [from_hex(name) for name in self.engine.page_names(req)]
+
+    def chain_names(self, req: Req, tokens: list[int]) -> list[bytes]:
+        """Names of the full pages of ``tokens`` in ``req``'s namespace."""
+        return compute_prefix_hash(req, tokens, page_size=self.page_size,
+                                   algo=self.config.cache.hash_algo)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for this worker's background L3 writes (write-through, offload)."""
+        return self.engine.flush(timeout)
+
+    def l3_writes(self) -> dict[str, int]:
+        """Pages this worker stored in L3 so far: ``backup`` (prefill write-through) and
+        ``offload`` (decode), as acknowledged by the tier."""
+        stats = self.engine.stats
+        return {"backup": stats.get("backup", "page"), "offload": stats.get("offload", "page")}
+
+    def state(self) -> WorkerState:
+        return WorkerState(self.worker_id, self.role, self.engine.locks_held(),
+                           self.engine.pool_usage())
+
+    def engine_stats(self) -> dict[str, int]:
+        return self.engine.stats.snapshot()
+
+    def close(self) -> None:
+        """Flush, then release the cache; ``SlotError`` if a lock or slot leaked."""
+        self.flush()
+        self.engine.close()
+
+    def _count_request(self, req: Req) -> None:
+        if self.metrics is not None:
+            self.metrics.count_request(self.role, namespace_kind(*req.namespace))
+
+    def _set_pools(self) -> None:
+        if self.metrics is None:
+            return
+        for tier, pool in (("device", self.engine.device_pool), ("host", self.engine.host_pool)):
+            self.metrics.set_pool(tier, pool.used, pool.capacity)
+
+
+class PrefillWorker(_Worker):
+    """Admits a request, reuses cached pages (L1/L2, and L3 through the engine), computes
+    the rest of the prompt and returns its KV pages and first token."""
+
+    role = "prefill"
+
+    def prefill(self, req: Req) -> PrefillResult:
+        """Raises ``ValueError`` for a request the model cannot serve; nothing is cached."""
+        start = time.perf_counter()
+        out = self.engine.prefill(req)
+        seconds = time.perf_counter() - start
+        cached = {tier: int(out.cached_tokens.get(tier, 0)) for tier in TIERS}
+        names = tuple(out.page_names)
+        foreign = self._foreign_pages(req, names, sum(cached.values()))
+        info = PrefillInfo(req.rid, self.worker_id, out.first_token, out.num_prompt_tokens,
+                           self.page_size, names, cached, foreign, seconds)
+        self._record(req, info)
+        return PrefillResult(info, out.kv_pages)
+
+    def _foreign_pages(self, req: Req, names: tuple[bytes, ...], cached_tokens: int) -> int:
+        """Cached pages the engine found under a name other than this process's own name
+        for the request's namespace."""
+        mine = self.chain_names(req, req.input_ids)
+        k = cached_tokens // self.page_size
+        return sum(a != b for a, b in zip(names[:k], mine[:k])) + max(0, k - len(mine))
+
+    def _record(self, req: Req, info: PrefillInfo) -> None:
+        if self.metrics is None:
+            return
+        self._count_request(req)
+        m, cached = self.metrics, sum(info.cached_tokens.values())
+        m.count_tokens("prefill", "prompt", info.num_prompt_tokens)
+        m.count_tokens("prefill", "computed", info.num_prompt_tokens - cached)
+        for tier, n in info.cached_tokens.items():
+            m.count_cached_tokens(tier, n)
+        m.observe_ttft(info.compute_s, role="prefill")
+        self._set_pools()
+
+
+class DecodeWorker(_Worker):
+    """Copies the handed-off prompt pages into its own memory and generates the answer;
+    the engine's offload manager writes prompt and generated pages to L3."""
+
+    role = "decode"
+
+    def __init__(self, config: PDCacheConfig, *, max_batch: int = 1, **kwargs: Any) -> None:
+        """``max_batch > 1``: concurrent ``decode`` calls share batched forward steps
+        (``DecodeBatcher``); ``1``: each call decodes alone on the caller's thread."""
+        super().__init__(config, **kwargs)
+        self.batcher = DecodeBatcher(self.engine, max_batch=max_batch) if max_batch > 1 \
+            else None
+        self._record_lock = threading.Lock()
+
+    def decode(self, req: Req, info: PrefillInfo, kv_pages: torch.Tensor,
+               handoff_s: float = 0.0) -> DecodeInfo:
+        """Raises ``ValueError`` if the pages or ``info`` do not fit the request."""
+        if info.rid != req.rid:
+            raise ValueError(f"info.rid: {info.rid!r} does not match request {req.rid!r}")
+        # NOTE: received pages may be a read-only view of shared memory. The engine never
+        # writes into them: decode copies them into its own KV buffer, offload clones.
+        start = time.perf_counter()
+        run = self.engine.decode if self.batcher is None else self.batcher.decode
+        tokens = run(req, kv_pages, info.num_prompt_tokens, info.first_token)
+        seconds = time.perf_counter() - start
+        names = tuple(self.chain_names(req, req.input_ids + tokens))
+        result = DecodeInfo(req.rid, self.worker_id, tokens, int(kv_pages.shape[0]), names,
+                            handoff_s, seconds)
+        with self._record_lock:   # calls may run on several threads; metrics deltas may not
+            self._record(req, result, kv_pages)
+        return result
+
+    def close(self) -> None:
+        if self.batcher is not None:
+            self.batcher.close()
+        super().close()
+
+    def page_names(self, req: Req) -> list[bytes]:
+        """The prompt page names the offload manager writes under (the engine's without L3)."""
+        if self.engine.offload is None:
+            return super().page_names(req)
+        return self.engine.offload.compute_prefix_hash(req, req.input_ids)
+
+    def _record(self, req: Req, result: DecodeInfo, pages: torch.Tensor) -> None:
+        if self.metrics is None:
+            return
+        self._count_request(req)
+        m = self.metrics
+        m.count_tokens("decode", "generated", len(result.output_ids))
+        m.observe_handoff(result.pages_received, pages.numel() * pages.element_size(),
+                          result.handoff_s)
+        # NOTE: offload writes finish on the engine's background thread: export what has
+        # been acknowledged since the last request, by page kind.
+        for kind in (PROMPT, GENERATED):
+            done = self.engine.stats.get(OFFLOAD, kind)
+            m.count_offload(kind, done - self._offloaded[kind])
+            self._offloaded[kind] = done
+        self._set_pools()

@@ -1,0 +1,170 @@
+"""Page records: building, verifying, encoding and pickling (no Ray)."""
+
+from __future__ import annotations
+
+import pickle
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+import xxhash
+
+from pd_cache.core.config import KVLayout
+from pd_cache.core.hashing import namespace_seed, page_hashes
+from pd_cache.storage.record import (
+    PageRecord,
+    PoolEntry,
+    decode_header,
+    encode_header,
+    make_record,
+    payload_problem,
+    verify,
+)
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def layout_for(dtype: torch.dtype = torch.float32, **kw: object) -> KVLayout:
+    fields: dict[str, object] = {"model_id": "test", "kv_dtype": str(dtype).removeprefix("torch."),
+                                 "num_layers": 2, "page_size": 4, "num_kv_heads": 2,
+                                 "head_dim": 8}
+    return KVLayout(**{**fields, **kw})
+
+
+def random_bits(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Arbitrary bit patterns (NaNs and infinities included) so equality is bit-exact."""
+    gen = torch.Generator().manual_seed(seed)
+    n = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen).view(dtype).view(shape)
+
+
+def bits(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def page(layout: KVLayout, seed: int = 0, extra_key: str | None = None,
+         dtype: torch.dtype | None = None) -> PageRecord:
+    dtype = dtype or getattr(torch, layout.kv_dtype)
+    tokens = list(range(seed, seed + layout.page_size))
+    name = page_hashes(tokens, layout.page_size, extra_key=extra_key)[0]
+    prior = namespace_seed(extra_key, None)
+    return make_record(name, prior, tokens, {"kv": random_bits(layout.page_shape, dtype, seed)},
+                       fingerprint=layout.fingerprint)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_header_describes_payload(dtype: torch.dtype) -> None:
+    layout = layout_for(dtype)
+    rec = page(layout, seed=3)
+    (entry,) = rec.header.pools
+    payload = rec.payload("kv")
+    assert entry.name == "kv" and entry.dtype == layout.kv_dtype
+    assert entry.shape == layout.page_shape
+    assert entry.checksum == xxhash.xxh3_64_intdigest(bits(payload))
+    assert rec.header.tokens == (3, 4, 5, 6)
+    assert rec.header.prior == namespace_seed(None, None)
+    assert rec.nbytes == payload.numel() * payload.element_size()
+    assert verify(rec, layout, "xxh3_128", name=rec.name) is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pickle_is_bit_exact_and_out_of_band(dtype: torch.dtype) -> None:
+    rec = page(layout_for(dtype), seed=1)
+    buffers: list[pickle.PickleBuffer] = []
+    data = pickle.dumps(rec, protocol=5, buffer_callback=buffers.append)
+    # NOTE: the payload travels as one out-of-band buffer: what lets Ray share it zero-copy.
+    assert len(buffers) == 1 and len(data) < rec.nbytes
+    back = pickle.loads(data, buffers=buffers)
+    assert back.header == rec.header
+    assert back.payload().dtype == dtype and bits(back.payload()) == bits(rec.payload())
+    assert verify(back, layout_for(dtype), "xxh3_128", name=rec.name) is None
+
+
+def test_header_encoding_round_trip() -> None:
+    rec = page(layout_for(), seed=2)
+    assert decode_header(encode_header(rec.header)) == rec.header
+    with pytest.raises(ValueError, match="record header"):
+        decode_header(b"\x93not a header")
+
+
+def tampered(rec: PageRecord, **changes: object) -> PageRecord:
+    return PageRecord(msgspec.structs.replace(rec.header, **changes), rec.payloads)
+
+
+def test_verify_rejects_every_kind_of_mismatch() -> None:
+    layout = layout_for()
+    rec = page(layout)
+    other_ns = page(layout, extra_key="lora-b")
+    entry = rec.header.pools[0]
+    flipped = rec.payload().clone()
+    flipped.view(torch.uint8).view(-1)[17] ^= 0x01
+    wrong_kv = make_record(rec.name, rec.header.prior, rec.header.tokens,
+                           {"kv": torch.zeros(2, 2)}, fingerprint=layout.fingerprint)
+    cases = {
+        "fingerprint": verify(tampered(rec, fingerprint=layout_for(tp_size=2).fingerprint),
+                              layout, "xxh3_128", name=rec.name),
+        "asked for": verify(rec, layout, "xxh3_128", name=other_ns.name),
+        # another namespace's page presented under this namespace's name
+        "H(prior": verify(tampered(other_ns, name=rec.name), layout, "xxh3_128",
+                          name=rec.name),
+        "prior ": verify(rec, layout, "xxh3_128", name=rec.name, prior=other_ns.name),
+        "H(prior || tokens)": verify(tampered(rec, tokens=(0, 1, 2, 99)), layout, "xxh3_128",
+                                     name=rec.name),
+        "checksum": verify(PageRecord(rec.header, (flipped,)), layout, "xxh3_128",
+                           name=rec.name),
+        "checksum mismatch": verify(tampered(rec, pools=(msgspec.structs.replace(
+            entry, checksum=entry.checksum ^ 1),)), layout, "xxh3_128", name=rec.name),
+        "version": verify(tampered(rec, version=99), layout, "xxh3_128", name=rec.name),
+        "algo": verify(rec, layout, "sha256", name=rec.name),
+        "not in record": verify(rec, layout, "xxh3_128", name=rec.name, pool="state"),
+        "kv pool": verify(wrong_kv, layout, "xxh3_128", name=rec.name),
+        "token ids": verify(tampered(rec, tokens=(1, 2, 3)), layout, "xxh3_128", name=rec.name),
+    }
+    for expected, problem in cases.items():
+        assert problem is not None and expected in problem, (expected, problem)
+
+
+def test_payload_problem_names_shape_and_dtype() -> None:
+    rec = page(layout_for())
+    wrong_shape = PageRecord(rec.header, (rec.payload().reshape(-1),))
+    wrong_dtype = PageRecord(rec.header, (rec.payload().to(torch.float16),))
+    assert "shape" in payload_problem(wrong_shape)
+    assert "dtype" in payload_problem(wrong_dtype)
+    assert "payloads" in payload_problem(PageRecord(rec.header, ()))
+    assert payload_problem(rec) is None
+
+
+def test_sidecar_pools_are_described_and_verified() -> None:
+    layout = layout_for()
+    tokens = [1, 2, 3, 4]
+    name = page_hashes(tokens, 4)[0]
+    state = random_bits((3, 5), torch.bfloat16, 9)
+    rec = make_record(name, namespace_seed(None, None), tokens,
+                      {"kv": random_bits(layout.page_shape, torch.float32, 8), "state": state},
+                      fingerprint=layout.fingerprint)
+    assert [e.name for e in rec.header.pools] == ["kv", "state"]
+    assert rec.header.pools[1] == PoolEntry("state", "bfloat16", (3, 5),
+                                            xxhash.xxh3_64_intdigest(bits(state)))
+    assert verify(rec, layout, "xxh3_128", name=name, pool="state") is None
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"name": b"short"}, "name"),
+    ({"prior": "00" * 16}, "prior"),
+    ({"tokens": []}, "tokens"),
+    ({"tokens": [1, -2, 3, 4]}, r"tokens\[1\]"),
+    ({"pools": {}}, "pools"),
+    ({"pools": {"kv/../x": torch.zeros(2)}}, "pools"),
+    ({"pools": {"kv": np.zeros(2)}}, "torch.Tensor"),
+    ({"pools": {"kv": torch.zeros(2, dtype=torch.complex64)}}, "dtype"),
+    ({"algo": "md5"}, "algo"),
+])
+def test_make_record_rejects_bad_input(kwargs: dict[str, object], match: str) -> None:
+    args: dict[str, object] = {"name": b"\x01" * 16, "prior": b"\x02" * 16,
+                               "tokens": [1, 2, 3, 4], "pools": {"kv": torch.zeros(2)}}
+    args.update(kwargs)
+    algo = args.pop("algo", "xxh3_128")
+    with pytest.raises(ValueError, match=match):
+        make_record(args["name"], args["prior"], args["tokens"], args["pools"],
+                    fingerprint="f", algo=algo)

@@ -1,0 +1,104 @@
+"""DecodeOffloadManager: decode writes the names a prefill of ``prompt + output`` computes,
+and the next turn of a conversation finds them in L3 and still produces the same output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pd_cache.core.hashing import page_hashes
+from pd_cache.core.request import Req
+from pd_cache.core.vocab import GENERATED, OFFLOAD, PROMPT
+from pd_cache.storage import make_backend
+from pd_cache.worker.engine import LocalEngine
+from tests.unit.tiering.test_controller import PS, Wrapper, assert_clean, config, prompt, reference
+
+NAMESPACES = [(None, None), ("lora-1", None), (None, "tenant-a"), ("lora-1", "tenant-a")]
+
+
+def req(rid: str, ids: list[int], ns: tuple[str | None, str | None], n: int) -> Req:
+    return Req(rid=rid, input_ids=ids, extra_key=ns[0], cache_salt=ns[1], max_new_tokens=n)
+
+
+@pytest.mark.parametrize("ns", NAMESPACES)
+def test_decode_names_equal_page_hashes_of_the_full_sequence(ns: tuple) -> None:
+    cfg = config(batch=4)
+    store = Wrapper(make_backend(cfg.storage, cfg.layout))
+    prefill_side, decode_side = LocalEngine(cfg), LocalEngine(cfg, storage=store)
+    r = req("r", prompt(20, 23), ns, 14)
+    out = prefill_side.prefill(r)
+    decode_side.decode(r, out.kv_pages, out.num_prompt_tokens, out.first_token)
+    assert decode_side.flush(10)
+    seq = r.input_ids + r.output_ids
+    # every token but the last drawn has KV: 23 + 14 - 1 = 36 tokens = 9 pages
+    want = page_hashes(seq, PS, extra_key=ns[0], cache_salt=ns[1])[:(len(seq) - 1) // PS]
+    written = [k for op, keys, *_ in store.calls if op == "set" for k in keys]
+    assert written == want
+    assert store.inner.batch_exists(want) == len(want) == 9
+    assert decode_side.stats.get(OFFLOAD, "page") == 9
+    # 23 prompt tokens: 5 full prompt pages, then 4 pages that hold generated tokens
+    assert decode_side.stats.get(OFFLOAD, PROMPT) == 5
+    assert decode_side.stats.get(OFFLOAD, GENERATED) == 4
+    # the manager reads the namespace from the request itself
+    assert decode_side.offload.compute_prefix_hash(r, seq) == page_hashes(
+        seq, PS, extra_key=ns[0], cache_salt=ns[1])
+    prefill_side.close()
+    decode_side.close()
+
+
+def test_the_next_turn_finds_the_answer_pages_and_matches_no_cache_output() -> None:
+    cfg = config(batch=4)
+    store = make_backend(cfg.storage, cfg.layout)
+    ns = ("lora-1", "tenant-a")
+    turn1 = req("t1", prompt(21, 26), ns, 12)
+    first = LocalEngine(cfg, storage=store)
+    first.generate(turn1)
+    assert first.flush(10)
+    first.close()
+    ids = turn1.input_ids + turn1.output_ids + prompt(22, 7)
+    turn2 = req("t2", ids, ns, 6)
+    fresh = LocalEngine(cfg, storage=store)                  # empty device and host
+    result = fresh.generate(turn2)
+    assert result.output_ids == reference(fresh, turn2)
+    # 26 + 12 - 1 = 37 tokens had KV in turn 1: 9 pages, 2 beyond the prompt's 6
+    assert result.cached_tokens == {"device": 0, "host": 0, "storage": 9 * PS}
+    assert fresh.flush(10)
+    assert_clean(fresh)
+    fresh.close()
+
+
+def test_offload_writes_only_prompt_pages_l3_lacks_and_respects_stride() -> None:
+    cfg = config(batch=8)
+    store = Wrapper(make_backend(cfg.storage, cfg.layout))
+    prefill_side = LocalEngine(cfg, storage=store)
+    decode_side = LocalEngine(cfg, storage=store, offload_stride=3 * PS)
+    r = req("r", prompt(23, 20), (None, "t"), 17)
+    out = prefill_side.prefill(r)                           # writes the 5 prompt pages
+    assert prefill_side.flush(10)
+    store.calls.clear()
+    decode_side.decode(r, out.kv_pages, out.num_prompt_tokens, out.first_token)
+    assert decode_side.flush(10)
+    sets = [len(keys) for op, keys, *_ in store.calls if op == "set"]
+    # 20 + 17 - 1 = 36 tokens: pages 5..8 are new; stride 12 tokens -> 3 pages, then 1
+    assert sets == [3, 1]
+    assert decode_side.stats.get(OFFLOAD, PROMPT) == 0       # prefill had written them all
+    assert decode_side.stats.get(OFFLOAD, GENERATED) == 4
+    prompt_names = page_hashes(r.input_ids, PS, cache_salt="t")
+    assert not any(k in prompt_names for op, keys, *_ in store.calls if op == "set"
+                   for k in keys)
+    prefill_side.close()
+    decode_side.close()
+
+
+def test_stride_must_be_a_positive_int() -> None:
+    from pd_cache.tiering.offload import DecodeOffloadManager
+
+    cfg = config()
+    engine = LocalEngine(cfg, storage=make_backend(cfg.storage, cfg.layout))
+    for bad in (0, -4, 2.5, True):
+        with pytest.raises(ValueError, match="stride"):
+            DecodeOffloadManager(engine.controller, stride=bad)
+    with pytest.raises(ValueError, match="controller"):
+        DecodeOffloadManager(object())  # type: ignore[arg-type]
+    assert torch.equal(engine.host_pool.data, torch.zeros_like(engine.host_pool.data))
+    engine.close()

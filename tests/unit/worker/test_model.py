@@ -1,0 +1,156 @@
+"""The reference model: determinism, prefix-KV equivalence, page conversions, bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from pd_cache.core.config import KVLayout, ModelConfig, PDCacheConfig
+from pd_cache.core.request import Req, SamplingParams
+from pd_cache.worker.model import (
+    Model,
+    check_pages,
+    kv_to_pages,
+    pages_to_kv,
+    reference_generate,
+    sample,
+)
+
+CFG = ModelConfig.preset("tiny")
+
+
+@pytest.fixture(scope="module")
+def model() -> Model:
+    return Model(CFG)
+
+
+def _tokens(n: int, seed: int = 0, vocab: int = CFG.vocab_size) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+
+def _layout(cfg: ModelConfig = CFG, page_size: int = 4) -> KVLayout:
+    return dataclasses.replace(PDCacheConfig(model=cfg).layout, page_size=page_size)
+
+
+def test_same_seed_builds_identical_weights_and_other_seed_differs() -> None:
+    a, b = Model(CFG).state_dict(), Model(CFG).state_dict()
+    c = Model(dataclasses.replace(CFG, seed=1)).state_dict()
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["embed"], c["embed"])
+
+
+def test_forward_shapes_and_kv_dtype(model: Model) -> None:
+    out = model(_tokens(10), all_logits=True)
+    assert out.logits.shape == (10, CFG.vocab_size)
+    assert out.kv.shape == (2, CFG.num_layers, 10, CFG.num_kv_heads, CFG.head_dim)
+    assert out.kv.dtype == torch.float32
+    assert model(_tokens(10)).logits.shape == (1, CFG.vocab_size)
+
+
+@pytest.mark.parametrize("kv_dtype,atol", [("float32", 1e-5), ("bfloat16", 1e-2)])
+def test_prefix_kv_gives_the_same_logits_as_one_forward(kv_dtype: str, atol: float) -> None:
+    m = Model(dataclasses.replace(CFG, kv_dtype=kv_dtype))
+    ids = _tokens(37, seed=3)
+    full = m(ids, all_logits=True)
+    head = m(ids[:20], all_logits=True)
+    tail = m(ids[20:], head.kv, all_logits=True)
+    assert head.kv.dtype == m.kv_dtype
+    torch.testing.assert_close(tail.logits, full.logits[20:], atol=atol, rtol=0)
+    torch.testing.assert_close(torch.cat([head.kv, tail.kv], dim=2).float(), full.kv.float(),
+                               atol=atol, rtol=0)
+
+
+def test_attention_is_causal(model: Model) -> None:
+    ids = _tokens(24, seed=4)
+    short = model(ids[:12], all_logits=True).logits
+    longer = model(ids[:12] + _tokens(12, seed=5), all_logits=True).logits[:12]
+    torch.testing.assert_close(short, longer, atol=1e-5, rtol=0)
+
+
+def test_positions_matter(model: Model) -> None:
+    # The same token after a different-length prefix must not give the same KV (RoPE works).
+    ids = _tokens(8, seed=6)
+    a = model(ids[:1]).kv
+    b = model(ids[1:2] + ids[:1]).kv[:, :, 1:]
+    assert not torch.allclose(a[0], b[0])
+
+
+def test_pages_round_trip_with_partial_last_page() -> None:
+    layout = _layout(page_size=4)
+    kv = torch.randn(2, CFG.num_layers, 10, CFG.num_kv_heads, CFG.head_dim)
+    pages = kv_to_pages(kv, 4)
+    assert tuple(pages.shape) == (3, *layout.page_shape)
+    # token t is row t % 4 of page t // 4; the padding past token 10 is zero
+    assert torch.equal(pages[2, :, :, 1], kv[:, :, 9])
+    assert torch.count_nonzero(pages[2, :, :, 2:]) == 0
+    assert torch.equal(pages_to_kv(pages, 10, layout), kv)
+    assert pages_to_kv(pages[:0], 0, layout).shape[2] == 0
+
+
+def test_bfloat16_pages_take_half_the_bytes() -> None:
+    f32 = _layout(CFG)
+    bf16 = _layout(dataclasses.replace(CFG, kv_dtype="bfloat16"))
+    kv = Model(dataclasses.replace(CFG, kv_dtype="bfloat16"))(_tokens(8)).kv
+    pages = kv_to_pages(kv, 4)
+    check_pages(pages, bf16)
+    assert pages.nbytes * 2 == kv_to_pages(kv.float(), 4).nbytes
+    with pytest.raises(ValueError, match="expected dtype torch.float32, got torch.bfloat16"):
+        check_pages(pages, f32)
+
+
+def test_bad_pages_are_refused_with_the_problem_named() -> None:
+    layout = _layout(page_size=4)
+    good = torch.zeros(3, *layout.page_shape)
+    with pytest.raises(ValueError, match=r"pages: expected shape \[n, 2, 2, 4, 2, 16\], got "
+                                         r"\[3, 2, 2, 8, 2, 16\]"):
+        check_pages(torch.zeros(3, 2, 2, 8, 2, 16), layout)
+    with pytest.raises(ValueError, match="expected dtype torch.float32, got torch.float16"):
+        pages_to_kv(good.half(), 10, layout)
+    with pytest.raises(ValueError, match="expected 2 pages, got 3"):
+        pages_to_kv(good, 8, layout)
+    with pytest.raises(ValueError, match="expected a torch.Tensor, got list"):
+        check_pages([[0.0]], layout)
+
+
+def test_model_refuses_bad_past_kv_and_tokens(model: Model) -> None:
+    past = model(_tokens(5)).kv
+    with pytest.raises(ValueError, match=r"past_kv: expected shape \[2, 2, T, 2, 16\]"):
+        model(_tokens(2), past[:, :1])
+    with pytest.raises(ValueError, match="past_kv: expected dtype torch.float32"):
+        model(_tokens(2), past.to(torch.bfloat16))
+    with pytest.raises(ValueError, match=r"token_ids\[1\]: token id 512 is outside the "
+                                         r"vocabulary \[0, 512\)"):
+        model([3, CFG.vocab_size, 4])
+    with pytest.raises(ValueError, match=r"token_ids\[0\]: token id -1"):
+        model([-1])
+    with pytest.raises(ValueError, match="exceed the model context 1024"):
+        model(_tokens(20), model(_tokens(1010)).kv)
+
+
+def test_reference_generate_is_deterministic_and_checks_the_request(model: Model) -> None:
+    req = Req(rid="a", input_ids=_tokens(30, seed=7), max_new_tokens=6)
+    first = reference_generate(model, req)
+    again = reference_generate(Model(CFG), Req(rid="b", input_ids=req.input_ids,
+                                               max_new_tokens=6))
+    assert len(first.output_ids) == 6 and len(first.logits) == 6
+    assert first.output_ids == again.output_ids
+    assert first.output_ids[0] == int(first.logits[0].argmax())
+    assert reference_generate(model, Req(rid="z", input_ids=[1], max_new_tokens=0)) == ([], [])
+    too_long = Req(rid="c", input_ids=_tokens(1020), max_new_tokens=8)
+    with pytest.raises(ValueError, match="exceeds the model context 1024"):
+        reference_generate(model, too_long)
+    with pytest.raises(ValueError, match=r"input_ids\[2\]: token id 600 is outside"):
+        reference_generate(model, Req(rid="d", input_ids=[1, 2, 600], max_new_tokens=1))
+
+
+def test_seeded_sampling_depends_only_on_seed_and_step() -> None:
+    logits = torch.randn(CFG.vocab_size, generator=torch.Generator().manual_seed(0))
+    hot = SamplingParams(temperature=5.0, seed=11)
+    draws = [sample(logits, hot, step) for step in range(20)]
+    assert draws == [sample(logits, hot, step) for step in range(20)]
+    assert len(set(draws)) > 1      # a flat distribution: steps draw different tokens
+    assert sample(logits, SamplingParams(), 3) == int(logits.argmax())
