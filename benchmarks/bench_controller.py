@@ -29,11 +29,16 @@ from typing import Any
 
 import torch
 
-from pd_cache.core.config import CacheConfig, ModelConfig, PDCacheConfig, StorageConfig
-from pd_cache.core.request import Req
-from pd_cache.storage import make_backend
+from pd_cache import (
+    CacheConfig,
+    LocalEngine,
+    ModelConfig,
+    PDCacheConfig,
+    Req,
+    StorageConfig,
+    make_backend,
+)
 from pd_cache.storage.base import StorageBackend
-from pd_cache.worker.engine import LocalEngine
 
 RESULTS = Path(__file__).parent / "results" / "controller.json"
 SEED = 4321

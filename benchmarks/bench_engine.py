@@ -24,10 +24,8 @@ from pathlib import Path
 
 import torch
 
-from pd_cache.core.config import CacheConfig, ModelConfig, PDCacheConfig
-from pd_cache.core.request import Req
+from pd_cache import CacheConfig, LocalEngine, ModelConfig, PDCacheConfig, Req
 from pd_cache.core.vocab import Tier
-from pd_cache.worker.engine import LocalEngine
 
 RESULTS = Path(__file__).parent / "results" / "engine.json"
 SEED = 1234

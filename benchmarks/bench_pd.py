@@ -19,11 +19,11 @@ import platform
 import time
 from pathlib import Path
 
-from pd_cache.app.run import percentile, ray_session, run_workload
+from pd_cache import ClusterConfig, PDCluster, Req
+from pd_cache.app.run import percentile, run_workload
+from pd_cache.app.session import ray_session
 from pd_cache.app.workload import WorkloadConfig
-from pd_cache.cluster.pd_cluster import PDCluster, totals
-from pd_cache.core.cluster_config import ClusterConfig
-from pd_cache.core.request import Req
+from pd_cache.cluster.pd_cluster import totals
 
 SEED = 1234
 RESULTS = Path(__file__).parent / "results" / "pd.json"
