@@ -35,7 +35,8 @@ class BackupWriter:
 
     def backup(self, req: Req, names: Sequence[bytes], tokens: Sequence[int],
                pages: torch.Tensor, prefix: Sequence[bytes] = (), *, skip_stored: bool = False,
-               kind: str = BACKUP, page_kind: str | None = None) -> Future[None]:
+               kind: str = BACKUP, page_kind: str | None = None,
+               copy: bool = True) -> Future[None]:
         """Write pages ``names`` (KV ``pages[i]``, ``tokens`` of all of them) to L3 later.
 
         ``prefix`` names the chain's pages before ``names``. With ``skip_stored`` the pages
@@ -43,6 +44,10 @@ class BackupWriter:
         ``kind/page``, and also as ``kind/<page_kind>`` when given (the offload manager's
         ``prompt`` / ``generated``). Returns at once; the write runs on the background
         thread; ``flush`` waits for it.
+
+        The pages are snapshotted before this returns, so the caller may change or reuse
+        its tensor at once; ``copy=False`` is for a caller that hands over a tensor it
+        made for this call and never touches again.
         """
         names, tokens = list(names), list(tokens)
         ps = self.link.page_size
@@ -50,8 +55,9 @@ class BackupWriter:
             raise ValueError(f"backup: {len(names)} names, {len(tokens)} tokens and "
                              f"{pages.shape[0]} pages do not match (page_size {ps})")
         chain = Chain.of(req, names, prefix, algo=self.link.algo)
-        job = self._writer.submit(self._write, req, chain, tokens, pages.detach().cpu(),
-                                  skip_stored, kind, page_kind)
+        snapshot = pages.detach().to("cpu", copy=copy)
+        job = self._writer.submit(self._write, req, chain, tokens, snapshot, skip_stored, kind,
+                                  page_kind)
         with self._lock:
             self._pending = [f for f in self._pending if not f.done()] + [job]
         return job

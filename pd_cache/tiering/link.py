@@ -58,7 +58,8 @@ class StorageLink:
             except Exception as e:  # noqa: BLE001 - a cache fault never fails the request
                 self.fault(req, "exists", MissReason.STORAGE_ERROR, e, len(chain.names) - hits)
                 return 0
-            hits += min(found, len(batch))
+            found = max(0, min(found, len(batch)))   # a malformed answer claims nothing more
+            hits += found
             if found < len(batch):
                 break
             prefix = None if prefix is None else prefix + batch

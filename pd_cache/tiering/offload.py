@@ -75,8 +75,8 @@ class DecodeOffloadManager:
         names = self.compute_prefix_hash(req, req.input_ids[:full * self.page_size])
         if names:
             self.controller.backup(req, names, req.input_ids[:full * self.page_size],
-                                   prompt_pages[:full].clone(), skip_stored=True,
-                                   kind=OFFLOAD, page_kind=PROMPT)
+                                   prompt_pages[:full], skip_stored=True, kind=OFFLOAD,
+                                   page_kind=PROMPT)
         return OffloadState(req, names)
 
     def advance(self, state: OffloadState, tokens: list[int], kv: torch.Tensor,
@@ -93,7 +93,8 @@ class DecodeOffloadManager:
         tokens = tokens[done * ps:full * ps]
         names = self.compute_prefix_hash(state.req, tokens, state.last_name)
         pages = kv_to_pages(kv[:, :, done * ps:full * ps], ps)
+        # NOTE: kv_to_pages made ``pages`` for this call alone: no snapshot needed.
         self.controller.backup(state.req, names, tokens, pages, state.names, kind=OFFLOAD,
-                               page_kind=GENERATED)
+                               page_kind=GENERATED, copy=False)
         state.names = state.names + names
         return len(names)

@@ -75,8 +75,12 @@ class Prefetcher:
         chain = Chain.of(req, names, prefix, algo=self.link.algo)
         hits = self.link.query(req, chain) if chain.names else 0
         slots = self._alloc(hits, owner) if hits else []
-        landed = self._load(req, chain._replace(names=chain.names[:len(slots)]), slots,
-                            policy or self.config.prefetch_policy)
+        try:
+            landed = self._load(req, chain._replace(names=chain.names[:len(slots)]), slots,
+                                policy or self.config.prefetch_policy)
+        except Exception as e:  # noqa: BLE001 - a malformed answer is a miss, never a failure
+            self.link.fault(req, "prefetch", MissReason.STORAGE_ERROR, e, len(slots))
+            landed = 0
         self.host.free(slots[landed:], owner)
         if landed:
             self.stats.count(Event.HIT, Tier.STORAGE, landed)
