@@ -20,6 +20,15 @@ stored keys (small pages) and a transport check: the same 128 MiB returned by an
 as bare tensors with and without RAY_ENABLE_ZERO_COPY_TORCH_TENSORS, as PageRecords by
 value, and as refs to PageRecords the actor put once (fetched, not verified).
 
+Capacity pressure (in-process memory backend, no Ray): 32 prompts of 8-16 pages that
+share nothing, room for 40% of their pages, under two eviction orders side by side: the
+previous one (least recently used page first: ``head_first``) and the store's
+(``tail_first``: least recently used chain first, from its tail). ``write_then_query``
+writes every prompt once, then asks each for its hit; ``serving`` replays 256 requests
+(popular prompts more often: weight 1/rank) that load their hit and write what is missing.
+``useful_hit_rate`` = pages usable as a consecutive hit from a prompt's first page / pages
+stored.
+
     python benchmarks/bench_storage.py [--repeats R] [--batch-pages B]
 
 Starts its own local Ray cluster (authentication off, no dashboard) and shuts it down.
@@ -31,8 +40,10 @@ import argparse
 import ctypes
 import json
 import os
+import random
 import statistics
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -42,8 +53,10 @@ import torch
 
 from pd_cache.core.config import CacheConfig, KVLayout, ModelConfig, PDCacheConfig, StorageConfig
 from pd_cache.core.hashing import namespace_seed, page_hashes
-from pd_cache.storage import PageRecord, PoolTransfer, make_record
+from pd_cache.storage import ExtraInfo, PageRecord, PoolTransfer, make_record
 from pd_cache.storage.client import StorageClient
+from pd_cache.storage.eviction import EvictionPolicy, Slot
+from pd_cache.storage.memory import MemoryBackend
 from pd_cache.storage.tier import ACTOR_ENV, storage_actors
 
 RESULTS = Path(__file__).parent / "results" / "storage.json"
@@ -274,6 +287,112 @@ def bench_transport(payloads: list[torch.Tensor], records: list[PageRecord], rep
     return out
 
 
+class HeadFirst(EvictionPolicy):
+    """The previous order, as a baseline: the least recently used page, whatever its chain."""
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[Slot, None] = OrderedDict()
+
+    def add(self, slot: Slot, parent: Slot, *, orphan: bool = False) -> None:
+        self._order[slot] = None
+
+    def touch(self, slot: Slot) -> None:
+        self._order.move_to_end(slot)
+
+    def remove(self, slot: Slot) -> None:
+        self._order.pop(slot, None)
+
+    def victim(self) -> Slot | None:
+        return next(iter(self._order), None)
+
+
+class HeadFirstMemory(MemoryBackend):
+    policy_class = HeadFirst
+
+
+POLICIES = {"head_first": HeadFirstMemory, "tail_first": MemoryBackend}
+PRESSURE_PROMPTS, PRESSURE_PAGES, PRESSURE_ROOM, PRESSURE_REQUESTS = 32, (8, 16), 0.4, 256
+
+
+def pressure_prompts(layout: KVLayout) -> list[list[PageRecord]]:
+    """32 prompts of 8-16 small pages, each in a namespace of its own (they share nothing)."""
+    rng = random.Random(SEED)
+    page = torch.zeros(layout.page_shape)
+    return [chain_records(layout, [page] * rng.randint(*PRESSURE_PAGES), f"pressure-{i}")
+            for i in range(PRESSURE_PROMPTS)]
+
+
+def chain_info(prompt: list[PageRecord], before: int) -> ExtraInfo:
+    return ExtraInfo(prefix_keys=[r.name for r in prompt[:before]],
+                     namespace_seed=prompt[0].header.prior)
+
+
+def serve(store: MemoryBackend, prompt: list[PageRecord]) -> int:
+    """One request: load the hit, write what is missing; the pages it found."""
+    names = [r.name for r in prompt]
+    hit = store.batch_exists(names, chain_info(prompt, 0))
+    store.batch_get(names[:hit], chain_info(prompt, 0))
+    store.batch_set(names[hit:], prompt[hit:], chain_info(prompt, hit))
+    return hit
+
+
+def useful(store: MemoryBackend, prompts: list[list[PageRecord]]) -> dict[str, Any]:
+    usable = sum(store.batch_exists([r.name for r in p], chain_info(p, 0)) for p in prompts)
+    stored = store.usage().records
+    return {"pages_stored": stored, "pages_usable": usable, "useful_hit_rate": usable / stored}
+
+
+def pressure_run(backend: type[MemoryBackend], layout: KVLayout,
+                 prompts: list[list[PageRecord]], capacity: int,
+                 requests: list[int]) -> dict[str, Any]:
+    store = backend(layout, capacity)
+    for p in prompts:
+        store.batch_set([r.name for r in p], p, chain_info(p, 0))
+    out = {"write_then_query": useful(store, prompts)}
+    store = backend(layout, capacity)
+    found = sum(serve(store, prompts[i]) for i in requests)
+    wanted = sum(len(prompts[i]) for i in requests)
+    out["serving"] = {**useful(store, prompts), "request_hit_rate": found / wanted}
+    return out
+
+
+def bench_capacity_pressure() -> dict[str, Any]:
+    """Head-first vs tail-first eviction on the same prompts and requests."""
+    layout = config(ModelConfig.preset("tiny"), 1).layout
+    prompts = pressure_prompts(layout)
+    pages = sum(len(p) for p in prompts)
+    room = int(PRESSURE_ROOM * pages)
+    rng = random.Random(SEED)
+    requests = rng.choices(range(len(prompts)), weights=[1 / (i + 1) for i in
+                                                         range(len(prompts))],
+                           k=PRESSURE_REQUESTS)
+    runs = {name: pressure_run(cls, layout, prompts, room * prompts[0][0].nbytes, requests)
+            for name, cls in POLICIES.items()}
+    out: dict[str, Any] = {"prompts": len(prompts), "pages": pages, "capacity_pages": room,
+                           "requests": len(requests)}
+    for scenario in ("write_then_query", "serving"):
+        head, tail = runs["head_first"][scenario], runs["tail_first"][scenario]
+        out[scenario] = {"head_first": head, "tail_first": tail,
+                         "useful_hit_rate_ratio": tail["useful_hit_rate"]
+                         / max(head["useful_hit_rate"], 1e-9)}
+    return out
+
+
+def print_pressure(r: dict[str, Any]) -> None:
+    print(f"capacity pressure ({r['prompts']} prompts, {r['pages']} pages, room for "
+          f"{r['capacity_pages']}):")
+    for scenario in ("write_then_query", "serving"):
+        head, tail = r[scenario]["head_first"], r[scenario]["tail_first"]
+        line = (f"  {scenario}: useful_hit_rate head-first {head['useful_hit_rate']:.2f} "
+                f"({head['pages_usable']}/{head['pages_stored']}) | tail-first "
+                f"{tail['useful_hit_rate']:.2f} ({tail['pages_usable']}/"
+                f"{tail['pages_stored']}) | {r[scenario]['useful_hit_rate_ratio']:.2f}x")
+        if "request_hit_rate" in tail:
+            line += (f" | request hit rate {head['request_hit_rate']:.2f} vs "
+                     f"{tail['request_hit_rate']:.2f}")
+        print(line)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -328,6 +447,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                 args.repeats, args.batch_pages)
     print("transport (actor -> driver): " + ", ".join(f"{k} {v:.2f}"
                                                      for k, v in transport.items()))
+    results["capacity_pressure"] = bench_capacity_pressure()
+    print_pressure(results["capacity_pressure"])
     one = results["shards"][1]
     results.update(exists, transport=transport, memcpy_gbps=one["memcpy_gbps"],
                    memcpy_baseline=one["memcpy_baseline"], get_gbps=one["get_gbps"],

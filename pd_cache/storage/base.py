@@ -34,9 +34,11 @@ class ExtraInfo(msgspec.Struct, frozen=True, gc=False):
     the chain starts at the namespace seed, so the first key's prior must be
     ``namespace_seed`` when that is given) and non-empty (the names of the pages before
     ``keys``; the first key's prior must be ``prefix_keys[-1]``). With the feature on,
-    each key's prior must be the key before it. Accumulate it per batch as
-    ``prefix_keys = prefix_keys + batch``: never mutate a list already handed over.
-    ``request_id`` only labels log lines.
+    each key's prior must be the key before it. It is per operation: in a v2 call the
+    operation's keys are its longest key list (the KV pool's), a sidecar pool may cover
+    only a trailing run of them and its priors are the operation's at those positions.
+    Accumulate it per batch as ``prefix_keys = prefix_keys + batch``: never mutate a list
+    already handed over. ``request_id`` only labels log lines.
     """
 
     prefix_keys: Sequence[Key] | None = None
@@ -46,6 +48,9 @@ class ExtraInfo(msgspec.Struct, frozen=True, gc=False):
 
 class PoolTransfer(msgspec.Struct, frozen=True, gc=False):
     """One pool's share of a v2 batch: its name, its keys and (set / get result) its pages.
+
+    KV-derived pools cover the operation's keys; a sidecar pool (recurrent state, a sliding
+    window) may cover only its last keys (with a chain check on, anything else raises).
 
     ``priors`` (the expected prior of each key) is normally left ``None`` and derived from
     ``ExtraInfo``; the sharded client fills it in when it splits a batch over shards.
@@ -144,7 +149,10 @@ class StorageBackend(ABC):
       A record that fails is deleted, counted (``verification_failed``) and is a miss.
     - A record set under a key it does not verify for, or that breaks the chain given by
       ``extra_info``, is refused (``False``, counted as ``refused``), not raised.
-    - Stores are bounded in bytes and evict least recently used records first.
+    - Stores are bounded in bytes. Full, they evict chain tails first: a page is not
+      evicted while a page after it in its chain (same pool) is kept, and the least
+      recently used chain goes first; a new page that would be a chain's tail past the
+      bound may go at once (its ack is still ``True``, counted stored then evicted).
     - Returned payloads may be views of the store's (or Ray's shared) memory: read-only.
     - Every hit, miss (by reason), store, eviction, refusal and verification failure is
       counted once in the store's :class:`~pd_cache.core.stats.Stats`; see :meth:`stats`.
@@ -160,7 +168,9 @@ class StorageBackend(ABC):
                         extra_info: ExtraInfo | None = None) -> PoolHits:
         """Per pool, how many of its keys, from the first, are stored (pages ignored).
 
-        ``usable`` is the minimum over the pools: the pages a request can load whole.
+        ``usable`` is the minimum over the pools of where their hits end in the
+        operation's keys (a trailing sidecar pool starts late): the pages a request can
+        load whole.
         Changes nothing but counts; ``exists`` is a hint, ``get`` is authoritative.
         """
 
@@ -179,7 +189,7 @@ class StorageBackend(ABC):
 
         Returns one ack per key: ``True`` once the record is stored (or already was),
         ``False`` if refused. The store copies what it keeps: the caller may reuse its
-        buffers when this returns. Storing may evict least recently used records.
+        buffers when this returns. Storing may evict records (chain tails first).
         """
 
     @abstractmethod
@@ -234,13 +244,28 @@ class StorageBackend(ABC):
 
 
 def usable_prefix(transfers: Sequence[PoolTransfer]) -> int:
-    """Pages loadable whole from a ``batch_get_v2`` result: min over pools of the hit prefix."""
-    best = None
+    """Pages loadable whole from a ``batch_get_v2`` result: min over pools of the hit prefix.
+
+    Positions are the operation's (its longest key list); a sidecar pool covering only the
+    trailing keys counts from where it starts, so it limits the hit only by a page it lacks.
+    """
+    if not transfers:
+        return 0
+    op = max((t.keys for t in transfers), key=len)
+    best = len(op)
     for t in transfers:
         pages = t.pages or []
         n = next((i for i, p in enumerate(pages) if p is None), len(pages))
-        best = n if best is None else min(best, n)
-    return best or 0
+        best = min(best, (pool_start(op, t.keys) or 0) + n)
+    return best
+
+
+def pool_start(op_keys: Sequence[Any], keys: Sequence[Any]) -> int | None:
+    """Where ``keys`` start in the operation's keys if they are a trailing run of them."""
+    start = len(op_keys) - len(keys)
+    if start < 0 or list(op_keys[start:]) != list(keys):
+        return None
+    return start
 
 
 def _same_length(keys: Sequence[Any], records: Sequence[Any]) -> None:

@@ -2,6 +2,15 @@
 
 Shared by the local backends and the sharded client, so both refuse the same bad input
 with the same ``ValueError`` before anything is stored or sent.
+
+The chain check is per operation, not per pool. The operation's keys are its longest key
+list (the KV pool's); a pool derived from KV covers the same keys, a sidecar pool (the
+recurrent state of a hybrid model, a sliding window) may cover only a trailing run of them,
+and its priors are the operation's priors at those positions::
+
+    operation  k0  k1  k2  k3       priors  p   k0  k1  k2     (p: prefix_keys[-1] or seed)
+    kv         k0  k1  k2  k3       start 0
+    state                  k3       start 3, prior k2
 """
 
 from __future__ import annotations
@@ -10,17 +19,21 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from pd_cache.core.hashing import DIGEST_SIZES, from_hex
-from pd_cache.storage.base import ExtraInfo, PoolTransfer
+from pd_cache.storage.base import ExtraInfo, PoolHits, PoolTransfer, pool_start
 from pd_cache.storage.record import PageRecord, check_pool_name, payload_problem
 
 
 class Batch(NamedTuple):
-    """One transfer, checked: keys as bytes and the expected prior of each key."""
+    """One transfer, checked: keys as bytes and the expected prior of each key.
+
+    ``start``: where ``keys`` begin in the operation's keys (``0`` but for a sidecar).
+    """
 
     pool: str
     keys: list[bytes]
     priors: list[bytes | None]
     pages: list[PageRecord] | None
+    start: int = 0
 
 
 def normalize_key(key: Any, algo: str, field: str) -> bytes:
@@ -66,7 +79,11 @@ def expected_priors(keys: list[bytes], info: ExtraInfo | None,
 
 def check_batch(transfers: Sequence[PoolTransfer], info: ExtraInfo | None, algo: str, *,
                 with_pages: bool) -> list[Batch]:
-    """Check every transfer of a v2 call; ``ValueError`` on the first problem."""
+    """Check every transfer of a v2 call; ``ValueError`` on the first problem.
+
+    With the chain check on (``info.prefix_keys`` not ``None``), a pool whose keys are not
+    a trailing run of the operation's keys is a ``ValueError`` naming it.
+    """
     if isinstance(transfers, PoolTransfer) or not isinstance(transfers, Sequence):
         raise ValueError(f"transfers: expected a sequence of PoolTransfer, got "
                          f"{type(transfers).__name__}")
@@ -74,29 +91,61 @@ def check_batch(transfers: Sequence[PoolTransfer], info: ExtraInfo | None, algo:
         raise ValueError(f"extra_info: expected ExtraInfo or None, got {type(info).__name__}")
     batches, seen = [], set()
     for j, t in enumerate(transfers):
-        batch = _check_transfer(t, info, algo, with_pages, f"transfers[{j}]")
+        batch = _check_transfer(t, algo, with_pages, f"transfers[{j}]")
         if batch.pool in seen:
             raise ValueError(f"transfers[{j}].pool: {batch.pool!r} appears twice")
         seen.add(batch.pool)
         batches.append(batch)
-    return batches
+    if not batches:
+        return []
+    op = max(batches, key=lambda b: len(b.keys))  # the first of the longest
+    # NOTE: a shard gets its priors from the client: the prefix is not read again there.
+    derive = any(t.priors is None for t in transfers)
+    priors = expected_priors(op.keys, info, algo) if derive else []
+    chained = info is not None and info.prefix_keys is not None
+    return [_align(b, t.priors is not None, op, priors, chained, f"transfers[{j}]")
+            for j, (b, t) in enumerate(zip(batches, transfers))]
 
 
-def _check_transfer(t: Any, info: ExtraInfo | None, algo: str, with_pages: bool,
-                    field: str) -> Batch:
+def usable_hits(batches: Sequence[Batch], per_pool: dict[str, int]) -> PoolHits:
+    """``per_pool`` hits (from each pool's first key) and the pages usable whole: the
+    minimum over pools of where each one's hits end in the operation's keys."""
+    return PoolHits(per_pool, min(b.start + per_pool[b.pool] for b in batches))
+
+
+def _align(b: Batch, given: bool, op: Batch, op_priors: list[bytes | None], chained: bool,
+           field: str) -> Batch:
+    """``b`` placed in the operation: its start and, unless ``given``, its expected priors.
+
+    Without a chain check any key list is accepted, and one that is not a trailing run
+    counts from the operation's first key.
+    """
+    start = 0 if b is op else pool_start(op.keys, b.keys)
+    if chained and start is None:
+        raise ValueError(f"{field}.keys: pool {b.pool!r} covers {len(b.keys)} keys that are "
+                         f"not the trailing keys of the operation's {len(op.keys)} (pool "
+                         f"{op.pool!r}); a sidecar pool may only cover the last pages")
+    start = start or 0
+    if given:
+        return b._replace(start=start)
+    return b._replace(priors=op_priors[start:start + len(b.keys)], start=start)
+
+
+def _check_transfer(t: Any, algo: str, with_pages: bool, field: str) -> Batch:
+    """``t`` checked on its own; ``priors`` are the transfer's (empty if it gives none)."""
     if not isinstance(t, PoolTransfer):
         raise ValueError(f"{field}: expected a PoolTransfer, got {type(t).__name__}")
     pool = check_pool_name(t.pool, f"{field}.pool")
     keys = normalize_keys(t.keys, algo, f"{field}.keys")
-    priors = _priors(t, keys, info, algo, field)
+    priors = _given_priors(t, keys, algo, field)
     pages = _check_pages(t.pages, len(keys), f"{field}.pages") if with_pages else None
     return Batch(pool, keys, priors, pages)
 
 
-def _priors(t: PoolTransfer, keys: list[bytes], info: ExtraInfo | None, algo: str,
-            field: str) -> list[bytes | None]:
+def _given_priors(t: PoolTransfer, keys: list[bytes], algo: str,
+                  field: str) -> list[bytes | None]:
     if t.priors is None:
-        return expected_priors(keys, info, algo)
+        return []
     if len(t.priors) != len(keys):
         raise ValueError(f"{field}.priors: {len(t.priors)} priors for {len(keys)} keys")
     return [None if p is None else normalize_key(p, algo, f"{field}.priors[{i}]")

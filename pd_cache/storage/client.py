@@ -36,7 +36,7 @@ from pd_cache.storage.base import (
     StorageBackend,
     Usage,
 )
-from pd_cache.storage.batch import Batch, check_batch
+from pd_cache.storage.batch import Batch, check_batch, usable_hits
 from pd_cache.storage.shared import Received, SharedPages, receive
 
 if TYPE_CHECKING:
@@ -236,7 +236,7 @@ def _merge_exists(batches: list[Batch], plan: Plan, answers: dict[int, PoolHits]
             hits = answers[s].per_pool[pool] if s in answers else 0
             if hits < len(pos):
                 ends[pool] = min(ends[pool], pos[hits])
-    return PoolHits(ends, min(ends.values()))
+    return usable_hits(batches, ends)
 
 
 def _merger(batches: list[Batch], plan: Plan, missing: Any,

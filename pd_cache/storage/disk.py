@@ -15,7 +15,9 @@ A record is written to ``<file>.tmp``, fsynced, renamed over ``<file>`` and the 
 fsynced, so a file under its final name is whole once ``batch_set`` acknowledged it. At
 start the index is rebuilt from the headers (leftover ``.tmp`` files, files that do not
 parse or whose size disagrees with their header are deleted); recency is file mtime,
-refreshed on every hit. Payload checksums are verified on every read.
+refreshed on every hit, and each page hangs again from its stored prior (the links a shard
+made across pages held elsewhere are not kept). Payload checksums are verified on every
+read.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ TMP = ".tmp"
 
 
 class DiskBackend(LocalBackend):
-    """Records as files in a directory, bounded in bytes, LRU, recovered at start."""
+    """Records as files in a directory, bounded in bytes (tails first), recovered at start."""
 
     def __init__(self, path: str | os.PathLike[str], layout: KVLayout, capacity_bytes: int, *,
                  algo: str = "xxh3_128", fsync: bool = True) -> None:

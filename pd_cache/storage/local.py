@@ -1,9 +1,10 @@
-"""The logic every in-process backend shares: index, LRU bound, verification, counting.
+"""The logic every in-process backend shares: index, bound, verification, counting.
 
 A subclass only says where a record's bytes live (:meth:`LocalBackend._write`,
 ``_read``, ``_delete``, ``_footprint``). The index maps ``(pool, name)`` to the record's
-header and size in recency order (least recent first), so ``exists`` and the chain check
-never touch the bytes, and eviction pops from the front.
+header and size, so ``exists`` and the chain check never touch the bytes; the eviction
+policy (``pd_cache.storage.eviction``) keeps the order in which records go: the least
+recently used chain first, from its tail.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import logging
 import threading
 from abc import abstractmethod
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from itertools import chain
 from typing import NamedTuple, Self
 
 from pd_cache.core.config import KVLayout, StorageConfig
@@ -20,15 +22,19 @@ from pd_cache.core.hashing import DIGEST_SIZES
 from pd_cache.core.stats import Stats
 from pd_cache.core.vocab import Event, MissReason
 from pd_cache.storage.base import ExtraInfo, PoolHits, PoolTransfer, StorageBackend, Usage
-from pd_cache.storage.batch import check_batch
+from pd_cache.storage.batch import Batch, check_batch, normalize_keys, usable_hits
+from pd_cache.storage.eviction import EvictionPolicy, Slot, TailFirst
 from pd_cache.storage.record import PageRecord, RecordHeader, verify
 
 log = logging.getLogger(__name__)
 
-Slot = tuple[str, bytes]  # (pool, page name)
 # NOTE: remembering recently evicted names lets a miss say "evicted" rather than
-# "not stored"; bounded so it cannot grow with the key space.
+# "not stored" (and a new page whose parent just went, that it cannot serve a hit);
+# bounded so it cannot grow with the key space.
 GHOSTS = 65536
+# NOTE: a shard holds about one page in num_shards of a chain: the nearest earlier page it
+# holds is a few names back. Past this many, a new page starts a chain of its own.
+LINK_SCAN = 64
 
 
 class Entry(NamedTuple):
@@ -36,8 +42,21 @@ class Entry(NamedTuple):
     nbytes: int
 
 
+class Link(NamedTuple):
+    """Where a new page hangs in its chain: ``parent``, and whether that was just evicted."""
+
+    parent: Slot
+    orphan: bool
+
+
 class LocalBackend(StorageBackend):
-    """A bounded, verified, LRU store of page records for one layout and hash algo."""
+    """A bounded, verified store of page records for one layout and hash algo.
+
+    Full, it evicts chain tails first (:class:`~pd_cache.storage.eviction.TailFirst`;
+    ``policy_class`` names another :class:`EvictionPolicy`).
+    """
+
+    policy_class: type[EvictionPolicy] = TailFirst
 
     def __init__(self, layout: KVLayout, capacity_bytes: int, *,
                  algo: str = "xxh3_128") -> None:
@@ -47,7 +66,8 @@ class LocalBackend(StorageBackend):
         if algo not in DIGEST_SIZES:
             raise ValueError(f"algo: unknown hash algorithm {algo!r}")
         self.layout, self.algo, self.capacity_bytes = layout, algo, capacity_bytes
-        self._index: OrderedDict[Slot, Entry] = OrderedDict()
+        self._index: dict[Slot, Entry] = {}
+        self._policy = self.policy_class()
         self._ghosts: OrderedDict[Slot, None] = OrderedDict()
         self._used = 0
         self._stats = Stats()
@@ -86,7 +106,7 @@ class LocalBackend(StorageBackend):
             raise ValueError("transfers: name at least one pool")
         with self._lock:
             per_pool = {b.pool: self._prefix(b.pool, b.keys, b.priors) for b in batches}
-        return PoolHits(per_pool, min(per_pool.values()))
+        return usable_hits(batches, per_pool)
 
     def batch_get_v2(self, transfers: Sequence[PoolTransfer],
                      extra_info: ExtraInfo | None = None) -> list[PoolTransfer]:
@@ -102,9 +122,9 @@ class LocalBackend(StorageBackend):
         batches = check_batch(transfers, extra_info, self.algo, with_pages=True)
         for b in batches:
             self._check_fits(b.pages or [])
+        prefix = _prefix_tail(extra_info, self.algo)
         with self._lock:
-            return [[self._put((b.pool, k), rec, p) for k, rec, p in
-                     zip(b.keys, b.pages or [], b.priors)] for b in batches]
+            return [self._put_all(b, prefix + b.keys, len(prefix)) for b in batches]
 
     def stats(self) -> dict[str, int]:
         return self._stats.snapshot()
@@ -142,7 +162,7 @@ class LocalBackend(StorageBackend):
         return reason is None
 
     def _served(self, slot: Slot) -> None:
-        self._index.move_to_end(slot)
+        self._policy.touch(slot)
         self._touched(slot)
         self._stats.count(Event.HIT)
 
@@ -170,7 +190,13 @@ class LocalBackend(StorageBackend):
                 raise ValueError(f"pages[{i}]: a record of {size} bytes exceeds "
                                  f"capacity_bytes={self.capacity_bytes}")
 
-    def _put(self, slot: Slot, record: PageRecord, prior: bytes | None) -> bool:
+    def _put_all(self, b: Batch, names: list[bytes], at: int) -> list[bool]:
+        """Store ``b``'s pages; ``names[at:]`` are its keys, ``names[:at]`` the chain before."""
+        return [self._put((b.pool, key), rec, prior, names, at + i)
+                for i, (key, rec, prior) in enumerate(zip(b.keys, b.pages or [], b.priors))]
+
+    def _put(self, slot: Slot, record: PageRecord, prior: bytes | None,
+             names: list[bytes], at: int) -> bool:
         if prior is not None and record.header.prior != prior:
             self._stats.count(Event.REFUSED, MissReason.NAMESPACE_REFUSED)
             return False
@@ -180,31 +206,51 @@ class LocalBackend(StorageBackend):
             self._stats.count(Event.REFUSED, MissReason.VERIFICATION_FAILED)
             return False
         if slot in self._index:  # names are content addresses: same name, same page
-            self._index.move_to_end(slot)
+            self._policy.touch(slot)
             return True
-        return self._store(slot, record)
+        # NOTE: only a page the caller vouched for as the next of its chain (a prior to
+        # check) may hang from the pages before it in ``names``; otherwise, its prior.
+        lo = at if prior is None else max(0, at - LINK_SCAN)
+        earlier = (names[i] for i in range(at - 1, lo - 1, -1))
+        return self._store(slot, record, self._link(slot[0], record.header.prior, earlier))
 
-    def _store(self, slot: Slot, record: PageRecord) -> bool:
-        size = self._footprint(record)
-        self._evict_until(self.capacity_bytes - size)
+    def _link(self, pool: str, prior: bytes, earlier: Iterable[bytes]) -> Link:
+        """The stored (or just evicted) page a new one hangs from in its chain: its prior,
+        else the nearest of ``earlier`` (a shard's view of a chain has gaps)."""
+        for name in chain((prior,), earlier):
+            slot = (pool, name)
+            if slot in self._index or slot in self._ghosts:
+                return Link(slot, slot not in self._index)
+        return Link((pool, prior), False)
+
+    def _store(self, slot: Slot, record: PageRecord, link: Link) -> bool:
+        """Index the page as its chain's newest, evict to fit (maybe the page itself), write.
+
+        A page evicted before it was written still counts as stored, then evicted.
+        """
+        self._index_add(slot, record.header, self._footprint(record), link)
+        self._evict_until(self.capacity_bytes)
         try:
-            self._write(slot, record)
+            if slot in self._index:
+                self._write(slot, record)
         except OSError as e:
             log.warning("cannot store L3 record %s/%s: %s", slot[0], slot[1].hex(), e)
+            self._remove(slot)
             self._stats.count(Event.REFUSED, MissReason.STORAGE_ERROR)
             return False
-        self._index_add(slot, record.header, size)
         self._stats.count(Event.STORED)
         return True
 
-    def _index_add(self, slot: Slot, header: RecordHeader, size: int) -> None:
+    def _index_add(self, slot: Slot, header: RecordHeader, size: int,
+                   link: Link | None = None) -> None:
+        link = link or Link((slot[0], header.prior), False)
         self._index[slot] = Entry(header, size)
+        self._policy.add(slot, link.parent, orphan=link.orphan)
         self._used += size
         self._ghosts.pop(slot, None)
 
     def _evict_until(self, budget: int) -> None:
-        while self._used > budget and self._index:
-            slot = next(iter(self._index))
+        while self._used > budget and (slot := self._policy.victim()) is not None:
             self._remove(slot)
             self._ghosts[slot] = None
             if len(self._ghosts) > GHOSTS:
@@ -215,4 +261,12 @@ class LocalBackend(StorageBackend):
         entry = self._index.pop(slot, None)
         if entry is not None:
             self._used -= entry.nbytes
+        self._policy.remove(slot)
         self._delete(slot)
+
+
+def _prefix_tail(info: ExtraInfo | None, algo: str) -> list[bytes]:
+    """The last names of ``info.prefix_keys`` (already checked), where a chain is looked up."""
+    if info is None or not info.prefix_keys:
+        return []
+    return normalize_keys(list(info.prefix_keys)[-LINK_SCAN:], algo, "extra_info.prefix_keys")

@@ -1,4 +1,4 @@
-"""``memory`` backend (the default): records in this process's memory, bounded, LRU."""
+"""``memory`` backend (the default): records in this process's memory, bounded (tails first)."""
 
 from __future__ import annotations
 

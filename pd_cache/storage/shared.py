@@ -4,7 +4,7 @@ Inside a tier actor the memory backend keeps each record as one object in the no
 object store, put once when it is stored and owned by the actor. A get answers with object
 refs instead of bytes, and a reader on the same node maps the objects::
 
-    writer --batch_set--> tier: verify the record, ray.put it once, keep the ref (LRU)
+    writer --batch_set--> tier: verify the record, ray.put it once, keep the ref
     reader --batch_get--> tier: chain check, lend the refs        (no payload bytes move)
     reader: ray.get(refs) -> read-only views; verify every record; a bad one is a miss
             and the tier is told to discard it
@@ -51,9 +51,9 @@ class SharedPages(msgspec.Struct, frozen=True, gc=False):
 class SharedMemoryBackend(LocalBackend):
     """The ``memory`` backend of a tier actor: one object-store object per record.
 
-    Bounded and LRU like ``memory``; an evicted or discarded record drops the actor's ref,
-    and Ray frees the object once no reader still holds a view of it. ``batch_get_v2``
-    still works (it maps the object in this process and verifies it here);
+    Bounded like ``memory`` (chain tails first); an evicted or discarded record drops the
+    actor's ref, and Ray frees the object once no reader still holds a view of it.
+    ``batch_get_v2`` still works (it maps the object in this process and verifies it here);
     :meth:`batch_lend_v2` is the fast path.
     """
 

@@ -375,25 +375,27 @@ def test_lent_objects_are_freed_on_eviction_discard_and_death(ray_cluster: Any) 
     before = object_store_bytes(ray_cluster)
     grown = lambda: object_store_bytes(ray_cluster) - before  # noqa: E731
     try:
-        chain = Chain(config.layout, 32, seed=33)
+        # 8 prompts of 4 pages (a store full of one long chain keeps its head instead)
+        prompts = [Chain(config.layout, 4, seed=33 + i) for i in range(8)]
+        names = [n for p in prompts for n in p.names]
+        records = [r for p in prompts for r in p.records]
         for lo in range(0, 24, 4):  # 3x the capacity
-            assert client.batch_set(chain.names[lo:lo + 4], chain.records[lo:lo + 4]) == [
-                True] * 4
+            assert client.batch_set(names[lo:lo + 4], records[lo:lo + 4]) == [True] * 4
         assert client.usage().bytes <= capacity
         assert settles(lambda: grown() <= capacity + 8 * SLACK)
-        held = client.batch_get(chain.names[16:24])
-        assert client.batch_set(chain.names[24:], chain.records[24:]) == [True] * 8
+        held = client.batch_get(names[16:24])
+        assert client.batch_set(names[24:], records[24:]) == [True] * 8
         # the shard evicted what the reader holds: its views stay valid until dropped
-        assert client.batch_exists(chain.names[16:24]) == 0
-        for g, want in zip(held, chain.records[16:24]):
+        assert client.batch_exists(names[16:24]) == 0
+        for g, want in zip(held, records[16:24]):
             assert_same(g, want)
         assert grown() > capacity + 8 * SLACK
         del held, g
         assert settles(lambda: grown() <= capacity + 8 * SLACK)
-        damaged = client.batch_get(chain.names[24:25])[0]
+        damaged = client.batch_get(names[24:25])[0]
         damaged.payload().view(torch.uint8).view(-1)[0] ^= 0xFF
         del damaged
-        assert client.batch_get(chain.names[24:25]) == [None]  # discarded by the shard
+        assert client.batch_get(names[24:25]) == [None]  # discarded by the shard
         assert settles(lambda: grown() <= capacity - page_bytes + 7 * SLACK)
     finally:
         kill_all(client.handles)
@@ -405,24 +407,26 @@ def test_shared_backend_keeps_the_backend_contract(ray_cluster: Any, tmp_path: P
     assert isinstance(tier_backend(config), SharedMemoryBackend)  # in a Ray process
     disk = config_for(backend="disk", disk_path=str(tmp_path), num_shards=1)
     assert isinstance(tier_backend(disk), DiskBackend)
-    chain = Chain(config.layout, 12, seed=34)
-    store = SharedMemoryBackend(config.layout, 4 * chain.records[0].nbytes)
-    for i in range(12):  # 3x the capacity; page 0 is used all along
-        assert store.batch_set(chain.names[i:i + 1], chain.records[i:i + 1]) == [True]
-        assert store.batch_get(chain.names[:1])[0] is not None
+    # 12 one-page prompts (a store full of one long chain keeps its head instead)
+    prompts = [Chain(config.layout, 1, seed=34 + i) for i in range(12)]
+    names, records = [p.names[0] for p in prompts], [p.records[0] for p in prompts]
+    store = SharedMemoryBackend(config.layout, 4 * records[0].nbytes)
+    for i in range(12):  # 3x the capacity; prompt 0 is used all along
+        assert store.batch_set(names[i:i + 1], records[i:i + 1]) == [True]
+        assert store.batch_get(names[:1])[0] is not None
         assert store.usage().records <= 4
-    assert [store.batch_exists([n]) for n in chain.names] == [1] + [0] * 8 + [1] * 3
-    for got, want in zip(store.batch_get(chain.names[9:]), chain.records[9:]):
+    assert [store.batch_exists([n]) for n in names] == [1] + [0] * 8 + [1] * 3
+    for got, want in zip(store.batch_get(names[9:]), records[9:]):
         assert_same(got, want)  # verified in this process
-    lent = store.batch_lend_v2([PoolTransfer("kv", chain.names[8:])])[0]
+    lent = store.batch_lend_v2([PoolTransfer("kv", names[8:])])[0]
     assert lent.pages[0] is None
-    for ref, want in zip(lent.pages[1:], chain.records[9:]):
+    for ref, want in zip(lent.pages[1:], records[9:]):
         assert_same(ray.get(ref), want)  # for a reader to verify
     with pytest.raises(ValueError, match="1 records for 2 keys"):
-        store.batch_set(chain.names[:2], chain.records[:1])
+        store.batch_set(names[:2], records[:1])
     with pytest.raises(ValueError, match=r"keys\[0\]"):
         store.discard_v2("kv", ["not hex"])
-    assert store.discard_v2("kv", chain.names[10:11]) == 1
+    assert store.discard_v2("kv", names[10:11]) == 1
     assert store.usage().records == 3
     stats = store.stats()
     assert stats["evicted/"] == 8 and stats["verification_failed/"] == 1

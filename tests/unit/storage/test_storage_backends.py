@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from pd_cache.storage import (
     usable_prefix,
 )
 from pd_cache.storage.disk import DiskBackend
+from pd_cache.storage.eviction import TailFirst
 from pd_cache.storage.memory import MemoryBackend
 from tests.unit.storage.test_record import bits, layout_for, random_bits
 
@@ -32,10 +34,15 @@ class Chain:
     """A namespace's pages: tokens, names, priors and one record per page and pool."""
 
     def __init__(self, layout: KVLayout, n: int, *, extra_key: str | None = None,
-                 seed: int = 0, state_shape: tuple[int, ...] | None = None) -> None:
+                 seed: int = 0, state_shape: tuple[int, ...] | None = None,
+                 shared: tuple[Chain, int] | None = None) -> None:
+        """``shared=(other, k)``: the first ``k`` pages are ``other``'s (a common prefix)."""
         gen = torch.Generator().manual_seed(seed)
         self.layout, self.extra_key = layout, extra_key
         self.tokens = torch.randint(0, 50_000, (n * layout.page_size,), generator=gen).tolist()
+        if shared is not None:
+            k = shared[1] * layout.page_size
+            self.tokens[:k] = shared[0].tokens[:k]
         self.seed = namespace_seed(extra_key, None)
         self.names = page_hashes(self.tokens, layout.page_size, extra_key=extra_key)
         self.priors = [self.seed, *self.names[:-1]]
@@ -283,21 +290,34 @@ def test_disk_partitions_layouts_under_one_path(tmp_path: Path) -> None:
 
 
 # -- capacity -------------------------------------------------------------------------------
+def page_footprint(make_store: Factory, layout: KVLayout, path: Path) -> int:
+    probe, chain = make_store(layout, 1 << 30, path), Chain(layout, 1, seed=99)
+    probe.batch_set(chain.names, chain.records)
+    return probe.usage().bytes
+
+
+def kept(store: StorageBackend, chain: Chain) -> list[int]:
+    """Which pages of ``chain`` the store holds, one by one (``exists`` changes no recency)."""
+    return [store.batch_exists([n]) for n in chain.names]
+
+
+def head(n: int, of: int) -> list[int]:
+    return [1] * n + [0] * (of - n)
+
+
 def test_three_times_capacity_stays_bounded_and_evicts_lru_first(make_store: Factory,
                                                                   tmp_path: Path) -> None:
     layout = layout_for()
-    chain = Chain(layout, 30)
-    probe = make_store(layout, 1 << 30, tmp_path / "probe")
-    probe.batch_set(chain.names[:1], chain.records[:1])
-    capacity = 10 * probe.usage().bytes
+    chains = [Chain(layout, 1, seed=i) for i in range(30)]  # 30 one-page prompts
+    capacity = 10 * page_footprint(make_store, layout, tmp_path / "probe")
     store = make_store(layout, capacity)
-    for i in range(30):
-        assert store.batch_set(chain.names[i:i + 1], chain.records[i:i + 1]) == [True]
-        if i >= 2:  # page 0 is used all along: it must survive
-            assert store.batch_get(chain.names[:1])[0] is not None
+    for i, chain in enumerate(chains):
+        assert store.batch_set(chain.names, chain.records) == [True]
+        if i >= 2:  # prompt 0 is used all along: it must survive
+            assert store.batch_get(chains[0].names)[0] is not None
         usage = store.usage()
         assert usage.bytes <= capacity and usage.records <= 10
-    present = [store.batch_exists([n]) for n in chain.names]
+    present = [store.batch_exists(c.names) for c in chains]
     assert present == [1] + [0] * 20 + [1] * 9
     stats = store.stats()
     assert stats["evicted/"] == 20
@@ -306,18 +326,150 @@ def test_three_times_capacity_stays_bounded_and_evicts_lru_first(make_store: Fac
         assert len(record_files(tmp_path / "l3")) == 10
 
 
+def test_two_prompts_over_capacity_keep_head_prefixes(make_store: Factory,
+                                                      tmp_path: Path) -> None:
+    layout = layout_for()
+    first, second = Chain(layout, 8, seed=1), Chain(layout, 8, seed=2)
+    store = make_store(layout, 10 * page_footprint(make_store, layout, tmp_path / "probe"))
+    for chain in (first, second):
+        info = ExtraInfo(prefix_keys=[], namespace_seed=chain.seed)
+        assert store.batch_set(chain.names, chain.records, info) == [True] * 8
+    # the least recently used prompt lost its tail, never its head
+    assert kept(store, first) == head(2, 8) and kept(store, second) == head(8, 8)
+    assert store.batch_exists(first.names) == 2 and store.batch_exists(second.names) == 8
+    assert store.usage().records == 10 and store.stats()["evicted/"] == 6
+
+
+def test_a_hit_refreshes_its_prompt(make_store: Factory, tmp_path: Path) -> None:
+    layout = layout_for()
+    a, b, c = (Chain(layout, 4, seed=s) for s in (1, 2, 3))
+    store = make_store(layout, 10 * page_footprint(make_store, layout, tmp_path / "probe"))
+    store.batch_set(a.names, a.records)
+    store.batch_set(b.names, b.records)
+    assert all(store.batch_get(a.names))  # a is now more recent than b
+    store.batch_set(c.names, c.records)
+    assert [kept(store, x) for x in (a, b, c)] == [head(4, 4), head(2, 4), head(4, 4)]
+
+
+def test_a_prompt_longer_than_capacity_keeps_its_head(make_store: Factory,
+                                                      tmp_path: Path) -> None:
+    layout = layout_for()
+    chain = Chain(layout, 30)
+    store = make_store(layout, 10 * page_footprint(make_store, layout, tmp_path / "probe"))
+    prefix: list[bytes] = []
+    for i in range(30):  # page by page, as decode offloads them
+        info = ExtraInfo(prefix_keys=prefix, namespace_seed=chain.seed)
+        assert store.batch_set(chain.names[i:i + 1], chain.records[i:i + 1], info) == [True]
+        assert store.batch_get(chain.names[:1])[0] is not None
+        prefix = prefix + chain.names[i:i + 1]
+    # a page past the room is the chain's tail: it goes first, and so do pages after it
+    assert kept(store, chain) == head(10, 30) and store.batch_exists(chain.names) == 10
+    stats = store.stats()
+    assert stats["stored/"] == 30 and stats["evicted/"] == 20
+    assert stats["miss/evicted"] == 20 + 1  # each page asked alone, then the whole chain
+    if make_store.kind == "disk":  # type: ignore[attr-defined]
+        assert len(record_files(tmp_path / "l3")) == 10
+
+
+def test_a_shared_prefix_stays_while_a_branch_needs_it(make_store: Factory,
+                                                       tmp_path: Path) -> None:
+    layout = layout_for()
+    trunk = Chain(layout, 6, seed=1)
+    branch = Chain(layout, 6, seed=2, shared=(trunk, 3))
+    other = Chain(layout, 4, seed=3)
+    assert branch.names[:3] == trunk.names[:3] and branch.names[3] != trunk.names[3]
+    store = make_store(layout, 8 * page_footprint(make_store, layout, tmp_path / "probe"))
+    store.batch_set(trunk.names, trunk.records)
+    store.batch_set(branch.names, branch.records)  # pages 0-2 are there: refreshed
+    assert kept(store, trunk) == head(5, 6) and kept(store, branch) == head(6, 6)
+    store.batch_set(other.names, other.records)
+    assert kept(store, trunk) == head(3, 6) and kept(store, branch) == head(4, 6)
+    assert kept(store, other) == head(4, 4)
+
+
+def test_a_shard_links_the_pages_it_holds_of_a_chain() -> None:
+    layout = layout_for()
+    chain, other = Chain(layout, 8, seed=1), Chain(layout, 2, seed=2)
+    store = MemoryBackend(layout, 4 * chain.records[0].nbytes)
+    # shard 0 of 2 gets every other page, with the priors the client computed
+    mine = list(range(0, 8, 2))
+    acks = store.batch_set_v2([PoolTransfer("kv", [chain.names[i] for i in mine],
+                                            [chain.records[i] for i in mine],
+                                            [chain.priors[i] for i in mine])],
+                              ExtraInfo(prefix_keys=[], namespace_seed=chain.seed))
+    assert acks == [[True] * 4]
+    store.batch_set(other.names, other.records)
+    assert [store.batch_exists([chain.names[i]]) for i in mine] == [1, 1, 0, 0]
+
+
+def test_serving_under_pressure_keeps_only_head_prefixes() -> None:
+    layout = layout_for()
+    rng = random.Random(7)
+    prompts = [Chain(layout, rng.randint(2, 9), seed=s) for s in range(6)]
+    prompts += [Chain(layout, 8, seed=10 + s, shared=(prompts[s], 2)) for s in range(3)]
+    store = MemoryBackend(layout, 14 * prompts[0].records[0].nbytes)
+    for _ in range(300):
+        p = rng.choice(prompts)
+        hit = store.batch_exists(p.names, ExtraInfo(prefix_keys=[], namespace_seed=p.seed))
+        if rng.random() < 0.5:
+            store.batch_get(p.names[:hit])
+        info = ExtraInfo(prefix_keys=p.names[:hit], namespace_seed=p.seed)
+        assert all(store.batch_set(p.names[hit:], p.records[hit:], info))
+        for q in prompts:
+            held = kept(store, q)
+            assert held == head(sum(held), len(held)), "a page kept without its head"
+    assert store.usage().records <= 14
+
+
+def test_tail_first_order() -> None:
+    policy, kv = TailFirst(), lambda i: ("kv", bytes([i]))
+    seed = ("kv", b"seed")
+    for i in range(4):  # a0 <- a1 <- a2 <- a3
+        policy.add(kv(i), kv(i - 1) if i else seed)
+    policy.add(kv(10), seed)  # b0, more recent than all of a
+    assert policy.victim() == kv(3)
+    policy.touch(kv(0))  # the head of a: a's pages after it are not refreshed
+    for want in (3, 2, 1):
+        assert policy.victim() == kv(want)
+        policy.remove(kv(want))
+    assert policy.victim() == kv(10)  # a0 was touched after b0
+    policy.add(kv(20), ("kv", b"gone"), orphan=True)
+    assert policy.victim() == kv(20)
+    for _ in range(10_000):  # stale heap entries stay bounded
+        policy.touch(kv(0))
+    assert len(policy._leaves) <= 2 * 3 + 64
+    policy.remove(kv(20))
+    assert [policy.victim(), policy.remove(kv(10)), policy.victim()] == [kv(10), None, kv(0)]
+
+
 def test_disk_recency_survives_restart(tmp_path: Path) -> None:
     layout = layout_for()
-    chain = Chain(layout, 4)
+    chains = [Chain(layout, 1, seed=i) for i in range(4)]
     store = DiskBackend(tmp_path, layout, 1 << 20)
-    for i in range(3):
-        store.batch_set(chain.names[i:i + 1], chain.records[i:i + 1])
-        os.utime(store._path(("kv", chain.names[i])), (1000 + i, 1000 + i))
+    for i, chain in enumerate(chains[:3]):
+        store.batch_set(chain.names, chain.records)
+        os.utime(store._path(("kv", chain.names[0])), (1000 + i, 1000 + i))
     size = store.usage().bytes // 3
     restarted = DiskBackend(tmp_path, layout, 3 * size)
-    restarted.batch_get(chain.names[:1])  # page 0 becomes the most recent
-    restarted.batch_set(chain.names[3:4], chain.records[3:4])
-    assert [restarted.batch_exists([n]) for n in chain.names] == [1, 0, 1, 1]
+    restarted.batch_get(chains[0].names)  # prompt 0 becomes the most recent
+    restarted.batch_set(chains[3].names, chains[3].records)
+    assert [restarted.batch_exists(c.names) for c in chains] == [1, 0, 1, 1]
+
+
+def test_disk_restart_rebuilds_the_chains(tmp_path: Path) -> None:
+    layout = layout_for()
+    first, second, third = Chain(layout, 8, seed=1), Chain(layout, 2, seed=2), Chain(
+        layout, 4, seed=3)
+    store = DiskBackend(tmp_path, layout, 1 << 20)
+    for t, (chain, i) in enumerate([(first, i) for i in range(8)] + [(second, 0), (second, 1)]):
+        store.batch_set(chain.names[i:i + 1], chain.records[i:i + 1])
+        os.utime(store._path(("kv", chain.names[i])), (1000 + t, 1000 + t))
+    restarted = DiskBackend(tmp_path, layout, store.usage().bytes)
+    restarted.batch_set(third.names, third.records)
+    assert kept(restarted, first) == head(4, 8) and kept(restarted, second) == head(2, 2)
+    # a smaller capacity at start evicts the same way
+    smaller = DiskBackend(tmp_path, layout, 8 * (store.usage().bytes // 10))
+    assert kept(smaller, first) == head(2, 8) and kept(smaller, third) == head(4, 4)
 
 
 # -- bad input ------------------------------------------------------------------------------

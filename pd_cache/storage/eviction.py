@@ -1,0 +1,115 @@
+"""Which stored page goes first when L3 is full: the tail of the least recently used chain.
+
+A hit must be consecutive from a chain's first page, so a page is only worth keeping while
+the pages before it are kept. Each stored page hangs from the page before it in its chain
+(normally its ``header.prior``, in the same pool) and only a *leaf*, a page nothing stored
+hangs from, may be evicted::
+
+    chain A   a0 <- a1 <- a2 <- a3        leaves: a3, b4', c1 (one per branch)
+    chain B   b0 <- b1 <- b2 <- b3 <- b4
+                           ^--- b3' <- b4'
+    chain C   c0 <- c1
+
+Recency: a touch (a store or a hit) stamps the page with a fresh tick. Evicting a leaf
+hands its tick to its parent when that becomes a leaf, so a parent counts as touched
+whenever a page after it was (touching a page touches its ancestors, without walking
+them): the chain touched least recently loses its tail first and, page by page, the rest.
+Leaves wait in a heap ordered by tick; an entry that went stale (the page was touched
+again, got a child or left) is dropped when it reaches the top.
+"""
+
+from __future__ import annotations
+
+import heapq
+from abc import ABC, abstractmethod
+from collections import Counter
+
+Slot = tuple[str, bytes]  # (pool, page name)
+
+
+class EvictionPolicy(ABC):
+    """The order in which a store gives up its records (the store owns the bytes)."""
+
+    @abstractmethod
+    def add(self, slot: Slot, parent: Slot, *, orphan: bool = False) -> None:
+        """A record was stored under ``slot``, after the page ``parent`` of its chain.
+
+        ``parent`` need not be stored (a chain's first page hangs from its namespace seed).
+        ``orphan``: the parent was just evicted, so this page cannot serve a hit: it goes
+        before every page that can.
+        """
+
+    @abstractmethod
+    def touch(self, slot: Slot) -> None:
+        """``slot`` (stored) was just used: it becomes the most recent."""
+
+    @abstractmethod
+    def remove(self, slot: Slot) -> None:
+        """``slot`` is no longer stored (evicted or deleted); unknown slots are ignored."""
+
+    @abstractmethod
+    def victim(self) -> Slot | None:
+        """The slot to evict next, without removing it; ``None`` when nothing is stored."""
+
+
+class TailFirst(EvictionPolicy):
+    """Least recently used chain first, each chain from its last stored page back.
+
+    ``add``, ``touch`` and ``remove`` cost O(log n), ``victim`` O(log n) amortized.
+    """
+
+    def __init__(self) -> None:
+        self._clock = 0
+        self._ticks: dict[Slot, int] = {}
+        self._parent: dict[Slot, Slot] = {}
+        self._children: Counter[Slot] = Counter()  # stored pages hanging from a slot
+        self._leaves: list[tuple[int, Slot]] = []  # heap; may hold stale entries
+
+    def add(self, slot: Slot, parent: Slot, *, orphan: bool = False) -> None:
+        self.remove(slot)
+        self._parent[slot] = parent
+        self._children[parent] += 1
+        # NOTE: ticks below zero sort before every page that can still serve a hit.
+        self._ticks[slot] = -self._tick() if orphan else self._tick()
+        self._offer(slot)
+
+    def touch(self, slot: Slot) -> None:
+        if slot in self._ticks:
+            self._ticks[slot] = self._tick()
+            self._offer(slot)
+
+    def remove(self, slot: Slot) -> None:
+        tick = self._ticks.pop(slot, None)
+        if tick is None:
+            return
+        parent = self._parent.pop(slot)
+        self._children[parent] -= 1
+        if self._children[parent] <= 0:
+            del self._children[parent]
+            if parent in self._ticks:  # the parent is a leaf again, as recent as its child
+                self._ticks[parent] = max(self._ticks[parent], tick)
+                self._offer(parent)
+
+    def victim(self) -> Slot | None:
+        while self._leaves:
+            tick, slot = self._leaves[0]
+            if self._ticks.get(slot) == tick and slot not in self._children:
+                return slot
+            heapq.heappop(self._leaves)
+        return None
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _offer(self, slot: Slot) -> None:
+        if slot in self._children:
+            return  # not a leaf: it is offered again once its last child goes
+        heapq.heappush(self._leaves, (self._ticks[slot], slot))
+        if len(self._leaves) > 2 * len(self._ticks) + 64:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Drop stale heap entries (each touch of a leaf leaves one behind)."""
+        self._leaves = [(t, s) for s, t in self._ticks.items() if s not in self._children]
+        heapq.heapify(self._leaves)

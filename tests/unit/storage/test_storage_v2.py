@@ -1,0 +1,234 @@
+"""v2 calls with sidecar pools: what a backend receives and accepts, per ``prefix_keys`` state.
+
+An operation's keys are its longest key list (the KV pool's); a sidecar pool (a recurrent
+``state`` pool, a sliding window) may cover only a trailing run of them, and its priors are
+the operation's priors at those positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pd_cache.storage import (
+    ExtraInfo,
+    PoolHits,
+    PoolTransfer,
+    StorageBackend,
+    Usage,
+    usable_prefix,
+)
+from pd_cache.storage.disk import DiskBackend
+from pd_cache.storage.memory import MemoryBackend
+from tests.unit.storage.test_record import layout_for
+from tests.unit.storage.test_storage_backends import Chain, assert_same
+
+STATE = (3, 8)
+# prefix_keys state -> how many pages of the chain come before the operation
+MODES = {"off": None, "seed": 0, "after_two": 2}
+
+
+class Recorder(StorageBackend):
+    """A real backend behind a wrapper that keeps every v2 call it is handed."""
+
+    def __init__(self, inner: StorageBackend) -> None:
+        self.inner, self.algo = inner, inner.algo
+        self.calls: list[tuple[str, list[tuple[str, list[Any]]], ExtraInfo | None,
+                               list[Any] | None]] = []
+
+    def _record(self, op: str, transfers: Sequence[PoolTransfer],
+                info: ExtraInfo | None) -> None:
+        prefix = None if info is None or info.prefix_keys is None else list(info.prefix_keys)
+        self.calls.append((op, [(t.pool, list(t.keys)) for t in transfers], info, prefix))
+
+    def batch_exists_v2(self, transfers: Sequence[PoolTransfer],
+                        extra_info: ExtraInfo | None = None) -> PoolHits:
+        self._record("exists", transfers, extra_info)
+        return self.inner.batch_exists_v2(transfers, extra_info)
+
+    def batch_get_v2(self, transfers: Sequence[PoolTransfer],
+                     extra_info: ExtraInfo | None = None) -> list[PoolTransfer]:
+        self._record("get", transfers, extra_info)
+        return self.inner.batch_get_v2(transfers, extra_info)
+
+    def batch_set_v2(self, transfers: Sequence[PoolTransfer],
+                     extra_info: ExtraInfo | None = None) -> list[list[bool]]:
+        self._record("set", transfers, extra_info)
+        return self.inner.batch_set_v2(transfers, extra_info)
+
+    def stats(self) -> dict[str, int]:
+        return self.inner.stats()
+
+    def usage(self) -> Usage:
+        return self.inner.usage()
+
+
+def info_for(chain: Chain, before: int | None) -> ExtraInfo:
+    """``prefix_keys`` of an operation that starts after ``before`` pages (``None``: off)."""
+    prefix = None if before is None else chain.names[:before]
+    return ExtraInfo(prefix_keys=prefix, namespace_seed=chain.seed, request_id="r1")
+
+
+def operation(chain: Chain, lo: int, state_pages: int,
+              with_pages: bool = True) -> list[PoolTransfer]:
+    """KV for pages ``lo..`` of ``chain`` and ``state`` for only the last ``state_pages``."""
+    hi = len(chain.names)
+    kv = PoolTransfer("kv", chain.names[lo:], chain.records[lo:] if with_pages else None)
+    state = PoolTransfer("state", chain.names[hi - state_pages:],
+                         chain.states[hi - state_pages:] if with_pages else None)
+    return [kv, state]
+
+
+@pytest.fixture(params=["memory", "disk"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> StorageBackend:
+    if request.param == "memory":
+        return MemoryBackend(layout_for(), 1 << 24)
+    return DiskBackend(tmp_path / "l3", layout_for(), 1 << 24)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_backend_receives_prefix_keys_as_given_and_accepts_a_trailing_sidecar(
+        mode: str) -> None:
+    before = MODES[mode]
+    lo = before or 0
+    chain = Chain(layout_for(), lo + 4, state_shape=STATE)
+    backend = Recorder(MemoryBackend(layout_for(), 1 << 24))
+    if lo:  # the pages before the operation are stored by an earlier one
+        assert backend.batch_set(chain.names[:lo], chain.records[:lo],
+                                 info_for(chain, 0)) == [True] * lo
+    backend.calls.clear()
+    info = info_for(chain, before)
+    handed = info.prefix_keys
+
+    assert backend.batch_set_v2(operation(chain, lo, 1), info) == [[True] * 4, [True]]
+    hits = backend.batch_exists_v2(operation(chain, lo, 1, with_pages=False), info)
+    got = backend.batch_get_v2(operation(chain, lo, 1, with_pages=False), info)
+    assert backend.batch_exists(chain.names[lo:], info) == 4
+    assert [g is not None for g in backend.batch_get(chain.names[lo:], info)] == [True] * 4
+
+    # what the backend received: the caller's ExtraInfo itself, prefix_keys untouched
+    assert [op for op, *_ in backend.calls] == ["set", "exists", "get", "exists", "get"]
+    for op, pools, received, prefix in backend.calls:
+        assert received is info and received.prefix_keys is handed
+        assert received.namespace_seed == chain.seed and received.request_id == "r1"
+        assert prefix == (None if before is None else chain.names[:before])
+        assert pools[0] == ("kv", chain.names[lo:])
+        if op in ("set", "get") and len(pools) == 2:
+            assert pools[1] == ("state", chain.names[-1:])
+    assert (handed is None) == (mode == "off") and handed == (
+        None if before is None else chain.names[:before])
+
+    # what it answered: every page of both pools, the usable hit over the whole operation
+    assert hits.per_pool == {"kv": 4, "state": 1} and hits.usable == 4
+    for page, want in zip(got[0].pages, chain.records[lo:]):
+        assert_same(page, want)
+    assert_same(got[1].pages[0], chain.states[-1])
+    assert usable_prefix(got) == 4
+    stats = backend.stats()
+    assert "refused/namespace_refused" not in stats and "miss/namespace_refused" not in stats
+
+
+def test_trailing_sidecar_round_trips(store: StorageBackend) -> None:
+    chain = Chain(layout_for(), 4, state_shape=STATE)
+    info = info_for(chain, 0)
+    assert store.batch_set_v2(operation(chain, 0, 2), info) == [[True] * 4, [True] * 2]
+    for state_pages in (1, 2):  # a reader may ask for fewer trailing state pages
+        hits = store.batch_exists_v2(operation(chain, 0, state_pages, False), info)
+        assert hits == PoolHits({"kv": 4, "state": state_pages}, 4)
+    got = store.batch_get_v2(operation(chain, 0, 2, False), info)
+    assert_same(got[1].pages[0], chain.states[2])
+    assert_same(got[1].pages[1], chain.states[3])
+    assert usable_prefix(got) == 4
+    assert store.stats() == {"stored/": 6, "hit/": 6}
+
+
+def test_missing_trailing_state_limits_the_usable_hit(store: StorageBackend) -> None:
+    chain = Chain(layout_for(), 4, state_shape=STATE)
+    info = info_for(chain, 0)
+    assert store.batch_set_v2(operation(chain, 0, 1)[:1], info) == [[True] * 4]
+    hits = store.batch_exists_v2(operation(chain, 0, 1, False), info)
+    assert hits.per_pool == {"kv": 4, "state": 0} and hits.usable == 3
+    got = store.batch_get_v2(operation(chain, 0, 1, False), info)
+    assert got[1].pages == [None] and usable_prefix(got) == 3
+    # the state of the last two pages, of which only the very last is stored
+    store.batch_set_v2([PoolTransfer("state", chain.names[3:], chain.states[3:])],
+                       info_for(chain, 3))
+    hits = store.batch_exists_v2(operation(chain, 0, 2, False), info)
+    assert hits.per_pool == {"kv": 4, "state": 0} and hits.usable == 2
+
+
+def test_sidecar_priors_are_the_operations(store: StorageBackend) -> None:
+    chain = Chain(layout_for(), 4, state_shape=STATE)
+    other = Chain(layout_for(), 1, extra_key="tenant-b")
+    # another namespace's seed: the operation's first page does not follow it
+    wrong = ExtraInfo(prefix_keys=[], namespace_seed=other.seed)
+    acks = store.batch_set_v2([PoolTransfer("kv", chain.names[:1], chain.records[:1]),
+                               PoolTransfer("state", chain.names[:1], chain.states[:1])], wrong)
+    assert acks == [[False], [False]]
+    assert store.stats()["refused/namespace_refused"] == 2
+    # a state record of page 3 under the operation's trailing key is checked against page 2
+    store.batch_set_v2(operation(chain, 0, 1), info_for(chain, 0))
+    gap = ExtraInfo(prefix_keys=chain.names[:1], namespace_seed=chain.seed)
+    hits = store.batch_exists_v2([PoolTransfer("kv", chain.names[2:]),
+                                  PoolTransfer("state", chain.names[3:])], gap)
+    assert hits.per_pool == {"kv": 0, "state": 1} and hits.usable == 0
+
+
+def test_sidecar_that_is_not_trailing_is_refused_with_the_pool_named(
+        store: StorageBackend) -> None:
+    chain = Chain(layout_for(), 4, state_shape=STATE)
+    leading = [PoolTransfer("kv", chain.names, chain.records),
+               PoolTransfer("state", chain.names[:2], chain.states[:2])]
+    for info in (info_for(chain, 0), info_for(chain, 2)):
+        with pytest.raises(ValueError, match=r"transfers\[1\].*'state'.*trailing"):
+            store.batch_set_v2(leading, info)
+        with pytest.raises(ValueError, match=r"'state'.*trailing"):
+            store.batch_exists_v2([PoolTransfer("kv", chain.names[:3]),
+                                   PoolTransfer("state", chain.names[3:])], info)
+    assert store.usage().records == 0 and store.stats() == {}
+    # feature off: no chain to check, each pool counts from its own first key, as before
+    assert store.batch_set_v2(leading, None) == [[True] * 4, [True] * 2]
+    hits = store.batch_exists_v2([PoolTransfer("kv", chain.names),
+                                  PoolTransfer("state", chain.names[:2])])
+    assert hits == PoolHits({"kv": 4, "state": 2}, 2)
+
+
+def test_accumulated_batches_with_a_trailing_sidecar_leave_caller_lists_alone() -> None:
+    chain = Chain(layout_for(), 6, state_shape=STATE)
+    backend = Recorder(MemoryBackend(layout_for(), 1 << 24))
+    prefix: list[bytes] = []
+    for lo in range(0, 6, 3):  # two batches; each ends with the state of its last page
+        batch = chain.names[lo:lo + 3]
+        info = ExtraInfo(prefix_keys=prefix, namespace_seed=chain.seed)
+        acks = backend.batch_set_v2([PoolTransfer("kv", batch, chain.records[lo:lo + 3]),
+                                     PoolTransfer("state", batch[-1:], chain.states[lo + 2:
+                                                                                    lo + 3])],
+                                    info)
+        assert acks == [[True] * 3, [True]]
+        prefix = prefix + batch
+    first, second = backend.calls[0][2], backend.calls[1][2]
+    assert first is not None and list(first.prefix_keys) == []
+    assert second is not None and list(second.prefix_keys) == chain.names[:3]
+    hits = backend.batch_exists_v2([PoolTransfer("kv", chain.names[3:]),
+                                    PoolTransfer("state", chain.names[5:])],
+                                   ExtraInfo(prefix_keys=chain.names[:3]))
+    assert hits.usable == 3
+
+
+@pytest.mark.parametrize("kv, state, usable", [
+    ([1, 1, 1, 1], [1], 4),
+    ([1, 1, 1, 1], [None], 3),
+    ([1, 1, None, None], [1], 2),
+    ([1, 1, 1, 1], [None, 1], 2),
+    ([1, 1, 1, 1], [], 4),
+    ([None, 1, 1, 1], [1], 0),
+])
+def test_usable_prefix_aligns_sidecars_at_the_end(kv: list[Any], state: list[Any],
+                                                 usable: int) -> None:
+    chain = Chain(layout_for(), 4)
+    result = [PoolTransfer("kv", chain.names, kv),
+              PoolTransfer("state", chain.names[4 - len(state):], state)]
+    assert usable_prefix(result) == usable
