@@ -97,9 +97,21 @@ def run_serve(args: argparse.Namespace) -> int:
             if args.address:  # a shared cluster: remove only what this command deployed
                 for entry, _ in apps:
                     serve.delete(entry.name)
+                _destroy_named_clusters(config)
             else:
                 serve.shutdown()
     return 0
+
+
+def _destroy_named_clusters(config: Any) -> None:
+    """Remove the detached actors of every named cluster the config's apps started."""
+    from pd_cache.cluster.pd_cluster import PDCluster
+    from pd_cache.cluster.serve import AppArgs
+
+    for entry in config.applications:
+        name = AppArgs.parse(entry.args).ingress.cluster_name
+        if name:
+            PDCluster.destroy(name)
 
 
 def _runtime_env(config: Any) -> dict[str, Any] | None:

@@ -11,23 +11,35 @@ One request::
 
 The router runs on one asyncio loop (no locks): ``generate`` and ``generate_many`` are
 sync fronts over ``generate_async``.
+
+Faults: a worker whose process died is routed around until it answers again (its actor
+restarts, ``worker_restarts``), and the request it held runs once more on another worker
+(prefill is pure; the retry starts again from prefill, whose cache now likely holds the
+prompt). A request past its ``deadline`` is dropped wherever it waits. A cluster started
+with a ``name`` is made of named, detached actors: a second ``start`` with that name, from
+any process (a restarted Serve replica), attaches to them instead of starting more.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from pd_cache.cluster.router import PrefixRouter, Provenance, ProvenanceLedger
+from pd_cache.cluster.health import Liveness, WorkerDied, worker_died
+from pd_cache.cluster.operations import NAMESPACE, ClusterOperations
+from pd_cache.cluster.router import PrefixRouter
 from pd_cache.core.cluster_config import ClusterConfig
-from pd_cache.core.request import Req, compute_prefix_hash
+from pd_cache.core.request import DeadlineExceeded, Req, compute_prefix_hash
 from pd_cache.core.vocab import TIERS
-from pd_cache.core.wire import Completion, DecodeInfo, PageNames, PrefillInfo, WorkerState
+from pd_cache.core.wire import Completion, DecodeInfo, PageNames, PrefillInfo
+
+log = logging.getLogger(__name__)
 
 
-class PDCluster:
+class PDCluster(ClusterOperations):
     """N prefill, M decode and S storage actors and the router; see the module docstring."""
 
     def __init__(self, config: ClusterConfig, prefill: Sequence[Any], decode: Sequence[Any],
@@ -37,28 +49,41 @@ class PDCluster:
         capacity = self.pd.cache.device_pages + self.pd.cache.host_pages
         self.prefill_router = PrefixRouter(len(self.prefill), capacity, config.balance_threshold)
         self.decode_router = PrefixRouter(len(self.decode), 0)
-        self.ledger = ProvenanceLedger()
+        self.liveness = {"prefill": Liveness("prefill", self.prefill, self.prefill_router),
+                         "decode": Liveness("decode", self.decode, self.decode_router)}
 
     @classmethod
-    def start(cls, config: ClusterConfig) -> PDCluster:
-        """Create the actors (``ray.init()`` first if this process has not) and wait for them."""
+    def start(cls, config: ClusterConfig, name: str | None = None) -> PDCluster:
+        """Create the actors (``ray.init()`` first if this process has not) and wait for them.
+
+        With ``name`` the actors are named and detached (Ray namespace ``pd-cache``): they
+        outlive this process, and a later ``start`` with the same name attaches to them.
+        ``destroy(name)`` removes them.
+        """
         import ray
 
         from pd_cache.storage.tier import storage_actors
         from pd_cache.worker.actors import decode_actor, prefill_actor
+        from pd_cache.worker.digest import with_weights_digest
 
         if not isinstance(config, ClusterConfig):
             raise ValueError(f"config: expected ClusterConfig, got {type(config).__name__}")
         if not ray.is_initialized():
             ray.init()
-        pd = config.pd_config
-        storage = (storage_actors(pd, max_restarts=config.storage_restarts)
+        # NOTE: the weights digest is pinned once, here: the storage shards (no model) read
+        # it from the config to partition L3, and each worker checks its own weights match.
+        pd = with_weights_digest(config.pd_config)
+        named = _namer(name)
+        storage = (storage_actors(pd, name and f"{name}/storage", detached=bool(name),
+                                  namespace=NAMESPACE, max_restarts=config.storage_restarts)
                    if config.with_storage else [])
         opts = {"threads": config.threads, "num_cpus": config.actor_cpus,
-                "storage_timeout_s": config.storage_timeout_s}
-        prefill = [prefill_actor(pd, i, storage, **opts) for i in range(config.num_prefill)]
+                "storage_timeout_s": config.storage_timeout_s,
+                "max_restarts": config.worker_restarts}
+        prefill = [prefill_actor(pd, i, storage, actor=named("prefill", i), **opts)
+                   for i in range(config.num_prefill)]
         decode = [decode_actor(pd, i, storage, max_batch=config.decode_batch,
-                               **opts)
+                               actor=named("decode", i), **opts)
                   for i in range(config.num_decode)]
         ray.get([a.ready.remote() for a in prefill + decode] + [s.ping.remote() for s in storage])
         return cls(config, prefill, decode, storage)
@@ -82,15 +107,29 @@ class PDCluster:
     async def generate_async(self, req: Req | Mapping[str, Any], *,
                              prefill_worker: int | None = None,
                              decode_worker: int | None = None) -> Completion:
-        """Serve one request; ``prefill_worker`` / ``decode_worker`` pin the route."""
+        """Serve one request; ``prefill_worker`` / ``decode_worker`` pin the first attempt.
+
+        Raises ``ValueError`` for a bad request, ``DeadlineExceeded`` past its deadline,
+        ``WorkerDied`` if a worker died under it twice, ``NoLiveWorker`` if a role has no
+        live worker.
+        """
         req = self.admit(req)
-        start = time.perf_counter()
-        info, pages_ref, seen = await self._prefill(req, prefill_worker)
-        ttft = time.perf_counter() - start
-        out = await self._decode(req, info, pages_ref, decode_worker)
+        start, failed = time.perf_counter(), {"prefill": [], "decode": []}
+        for attempt in (1, 2):
+            try:
+                info, pages_ref = await self._prefill(req, prefill_worker, failed["prefill"])
+                ttft = time.perf_counter() - start
+                out = await self._decode(req, info, pages_ref, decode_worker,
+                                         failed["decode"])
+                break
+            except WorkerDied as e:
+                if attempt == 2 or req.expired():
+                    raise
+                log.warning("request %s: %s; running it again elsewhere", req.rid, e)
+                failed[e.role].append(e.worker)
+                prefill_worker = decode_worker = None
         req.output_ids = list(out.output_ids)
-        self.ledger.add(req.namespace, out.page_names)
-        return self._complete(req, info, out, seen, ttft, time.perf_counter() - start)
+        return self._complete(req, info, out, ttft, time.perf_counter() - start, attempt)
 
     def generate(self, req: Req | Mapping[str, Any], **route: int | None) -> Completion:
         return asyncio.run(self.generate_async(req, **route))
@@ -104,15 +143,12 @@ class PDCluster:
                                         return_exceptions=return_exceptions)
         return asyncio.run(run())
 
-    async def _prefill(self, req: Req,
-                       pinned: int | None) -> tuple[PrefillInfo, Any, Provenance]:
-        """Route, run prefill, and check where its cached pages came from.
-
-        The ledger learns the prompt's names as soon as prefill returns (not when decode
-        ends): a request routed by them may finish before this one does.
-        """
+    async def _prefill(self, req: Req, pinned: int | None,
+                       failed: Sequence[int] = ()) -> tuple[PrefillInfo, Any]:
+        """Route and run prefill; the router learns the pages the worker now holds."""
         names = self.router_names(req)
-        worker = self.prefill_router.pick(names).worker if pinned is None else pinned
+        self.liveness["prefill"].refresh()
+        worker = self.prefill_router.pick(names, failed).worker if pinned is None else pinned
         self._check_worker("prefill_worker", worker, self.prefill)
         self.prefill_router.begin(worker)
         # NOTE: the worker runs its calls in order, so once this one is queued, the next
@@ -121,37 +157,59 @@ class PDCluster:
         self.prefill_router.record(worker, names)
         try:
             info_ref, pages_ref = self.prefill[worker].prefill.remote(req)
-            info = await _unwrap(info_ref)
+            info = await self._call("prefill", worker, info_ref)
         finally:
             self.prefill_router.end(worker)
         self.prefill_router.record(worker, info.page_names)
-        seen = self.ledger.check(req.namespace, info.page_names[:info.cached_pages])
-        self.ledger.add(req.namespace, info.page_names)
-        return info, pages_ref, seen
+        return info, pages_ref
 
     async def _decode(self, req: Req, info: PrefillInfo, pages_ref: Any,
-                      pinned: int | None) -> DecodeInfo:
+                      pinned: int | None, failed: Sequence[int] = ()) -> DecodeInfo:
+        self.liveness["decode"].refresh()
         if pinned is not None:
             worker = pinned
         elif self.config.decode_pack and self.config.decode_batch > 1:
-            worker = self.decode_router.pack(self.config.decode_batch)
+            worker = self.decode_router.pack(self.config.decode_batch, failed)
         else:
-            worker = self.decode_router.least_loaded()
+            worker = self.decode_router.least_loaded(failed)
         self._check_worker("decode_worker", worker, self.decode)
         self.decode_router.begin(worker)
         try:
-            return await _unwrap(self.decode[worker].decode.remote(req, info, [pages_ref]))
+            ref = self.decode[worker].decode.remote(req, info, [pages_ref])
+            return await self._call("decode", worker, ref)
         finally:
             self.decode_router.end(worker)
 
-    def _complete(self, req: Req, info: PrefillInfo, out: DecodeInfo, seen: Provenance,
-                  ttft: float, latency: float) -> Completion:
+    async def _call(self, role: str, worker: int, ref: Any) -> Any:
+        """Await a worker's call: its own errors come back as themselves, a dead worker
+        (or lost pages) as ``WorkerDied`` after the worker is marked down."""
+        try:
+            return await _unwrap(ref)
+        except Exception as e:
+            if worker_died(e):
+                raise self.liveness[role].died(worker, e) from e
+            raise
+
+    async def health(self, timeout_s: float = 5.0) -> dict[str, Any]:
+        """Ping every actor: the live ones by role; ``healthy`` once prefill and decode each
+        have a live worker (a dead L3 shard costs only misses)."""
+        live = {role: await lv.check(timeout_s) for role, lv in self.liveness.items()}
+        pings = [asyncio.wait_for(asyncio.wrap_future(s.ping.remote().future()), timeout_s)
+                 for s in self.storage]
+        answers = await asyncio.gather(*pings, return_exceptions=True)
+        live["storage"] = [i for i, a in enumerate(answers) if not isinstance(a, BaseException)]
+        return {"healthy": bool(live["prefill"]) and bool(live["decode"]), "live": live,
+                "workers": {"prefill": len(self.prefill), "decode": len(self.decode),
+                            "storage": len(self.storage)}}
+
+    def _complete(self, req: Req, info: PrefillInfo, out: DecodeInfo, ttft: float,
+                  latency: float, attempts: int = 1) -> Completion:
         ps = info.page_size
         return Completion(req.rid, list(out.output_ids), info.num_prompt_tokens,
                           dict(info.cached_tokens), info.worker,
                           out.worker, ttft, latency, out.pages_received,
-                          (seen.foreign_pages + info.foreign_pages) * ps,
-                          seen.unattributed_pages * ps, info.compute_s, out.handoff_s,
+                          (info.cross_namespace_pages + out.cross_namespace_pages) * ps,
+                          attempts, info.compute_s, out.handoff_s,
                           out.decode_s)
 
     @staticmethod
@@ -166,78 +224,26 @@ class PDCluster:
         return compute_prefix_hash(req, req.input_ids, page_size=self.pd.cache.page_size,
                                    algo=self.pd.cache.hash_algo)
 
-    def page_names(self, req: Req) -> PageNames:
-        """The request's prompt page names from the router, every worker and every shard."""
-        import ray
 
-        prefill = [a.page_names.remote(req) for a in self.prefill]
-        decode = [a.page_names.remote(req) for a in self.decode]
-        tiers = [s.page_names.remote(req) for s in self.storage]
-        return PageNames(self.router_names(req), ray.get(prefill), ray.get(decode),
-                         ray.get(tiers))
+def _namer(name: str | None) -> Any:
+    from pd_cache.worker.actors import named
 
-    def storage_client(self, timeout_s: float | None = None) -> Any:
-        """A client over this cluster's tier actors (``None`` without L3)."""
-        from pd_cache.storage.client import StorageClient
-
-        if not self.storage:
-            return None
-        return StorageClient(self.storage, algo=self.pd.cache.hash_algo,
-                             timeout_s=timeout_s or self.config.storage_timeout_s)
-
-    def flush(self) -> None:
-        """Wait until every worker's background L3 writes so far have finished."""
-        import ray
-
-        ray.get([a.flush.remote() for a in self.prefill + self.decode])
-
-    def l3_writes(self) -> dict[str, int]:
-        """Pages stored in L3 so far (after ``flush``): ``backup`` by prefill write-through,
-        ``offload`` by decode."""
-        import ray
-
-        out = {"backup": 0, "offload": 0}
-        for writes in ray.get([a.l3_writes.remote() for a in self.prefill + self.decode]):
-            for kind, n in writes.items():
-                out[kind] += n
-        return out
-
-    def states(self) -> list[WorkerState]:
-        import ray
-
-        return ray.get([a.state.remote() for a in self.prefill + self.decode])
-
-    def engine_stats(self) -> dict[str, dict[str, int]]:
-        import ray
-
-        stats = ray.get([a.engine_stats.remote() for a in self.prefill + self.decode])
-        roles = [f"prefill-{i}" for i in range(len(self.prefill))] + \
-                [f"decode-{i}" for i in range(len(self.decode))]
-        return dict(zip(roles, stats))
-
-    def shutdown(self, *, check: bool = True) -> None:
-        """Close every worker (with ``check``, raise ``SlotError`` if one leaked a lock or a
-        slot) and kill every actor of this cluster."""
-        import ray
-
-        closing = [a.close.remote() for a in self.prefill + self.decode] if check else []
-        try:
-            ray.get(closing)
-        finally:
-            for actor in self.prefill + self.decode + self.storage:
-                ray.kill(actor)
-            self.prefill, self.decode, self.storage = [], [], []
+    def options(role: str, i: int) -> dict[str, Any] | None:
+        return named(f"{name}/{role}-{i}", NAMESPACE) if name else None
+    return options
 
 
 async def _unwrap(ref: Any) -> Any:
-    """Await a Ray call; a ``ValueError`` raised in the actor comes back as itself."""
+    """Await a Ray call; a ``ValueError`` or ``DeadlineExceeded`` raised in the actor comes
+    back as itself."""
     import ray
 
     try:
         return await ref
     except ray.exceptions.RayTaskError as exc:
-        if isinstance(exc.cause, ValueError):
-            raise ValueError(str(exc.cause)) from None
+        for kind in (ValueError, DeadlineExceeded):
+            if isinstance(exc.cause, kind):
+                raise kind(str(exc.cause)) from None
         raise
 
 
@@ -245,8 +251,7 @@ def totals(completions: Iterable[Completion]) -> dict[str, Any]:
     """Sums over completions: cached tokens by tier, pages handed off, cross-namespace."""
     out: dict[str, Any] = {"requests": 0, "prompt_tokens": 0,
                            "cached_tokens": dict.fromkeys(TIERS, 0),
-                           "pages_handed_off": 0, "cross_namespace_tokens": 0,
-                           "unattributed_tokens": 0}
+                           "pages_handed_off": 0, "cross_namespace_tokens": 0}
     for c in completions:
         out["requests"] += 1
         out["prompt_tokens"] += c.num_prompt_tokens
@@ -254,7 +259,6 @@ def totals(completions: Iterable[Completion]) -> dict[str, Any]:
             out["cached_tokens"][tier] = out["cached_tokens"].get(tier, 0) + n
         out["pages_handed_off"] += c.pages_handed_off
         out["cross_namespace_tokens"] += c.cross_namespace_tokens
-        out["unattributed_tokens"] += c.unattributed_tokens
     return out
 
 

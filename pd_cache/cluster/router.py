@@ -1,4 +1,4 @@
-"""Routing policy and page provenance: the pure logic behind ``PDCluster``.
+"""Routing policy: the pure logic behind ``PDCluster``.
 
 ``PrefixRouter`` picks a prefill worker by the longest prefix of the request's page names
 that the worker is known to hold, balanced by load: if the best match is busier than the
@@ -13,8 +13,8 @@ match never crosses namespaces. The index is what the router saw each worker com
 load, bounded by the worker's L1 + L2 capacity, least recently used first out: a hint, not
 the truth (a worker may have evicted a page since).
 
-``ProvenanceLedger`` records which namespace each page name was produced in, and counts
-cached pages a request got whose name was produced in another namespace.
+A worker whose call failed because its process died is ``down``: no request goes to it
+until it answers again (``mark_up``); with every worker down, ``NoLiveWorker``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,10 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 Namespace = tuple[str | None, str | None]
+
+
+class NoLiveWorker(RuntimeError):
+    """Every worker of a role is down (restarting or dead)."""
 
 
 class Route(NamedTuple):
@@ -43,6 +47,7 @@ class PrefixRouter:
         self.capacity = max(0, int(capacity_pages))
         self.balance_threshold = balance_threshold
         self.loads = [0] * num_workers
+        self.down: set[int] = set()
         self._held: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(num_workers)]
 
     def matched(self, worker: int, names: Sequence[bytes]) -> int:
@@ -50,25 +55,43 @@ class PrefixRouter:
         held = self._held[worker]
         return next((i for i, name in enumerate(names) if name not in held), len(names))
 
-    def pick(self, names: Sequence[bytes]) -> Route:
+    def live(self, exclude: Sequence[int] = ()) -> list[int]:
+        """Workers not down and not in ``exclude``; ``NoLiveWorker`` if there are none."""
+        out = [w for w in range(len(self.loads)) if w not in self.down and w not in exclude]
+        if not out:
+            raise NoLiveWorker(f"no live worker (down: {sorted(self.down)}, "
+                               f"excluded: {sorted(exclude)})")
+        return out
+
+    def pick(self, names: Sequence[bytes], exclude: Sequence[int] = ()) -> Route:
         """Longest match first, then least load, then lowest id; overloaded -> least load."""
-        routes = [Route(w, self.matched(w, names)) for w in range(len(self.loads))]
+        routes = [Route(w, self.matched(w, names)) for w in self.live(exclude)]
         best = min(routes, key=lambda r: (-r.matched_pages, self.loads[r.worker], r.worker))
         idle = min(routes, key=lambda r: (self.loads[r.worker], -r.matched_pages, r.worker))
         if self.loads[best.worker] - self.loads[idle.worker] > self.balance_threshold:
             return idle
         return best
 
-    def least_loaded(self) -> int:
-        return min(range(len(self.loads)), key=lambda w: (self.loads[w], w))
+    def least_loaded(self, exclude: Sequence[int] = ()) -> int:
+        return min(self.live(exclude), key=lambda w: (self.loads[w], w))
 
-    def pack(self, limit: int) -> int:
+    def pack(self, limit: int, exclude: Sequence[int] = ()) -> int:
         """The busiest worker still below ``limit`` requests (its next batch has room),
         else the least loaded: keeps decode batches full instead of spreading them thin."""
-        room = [w for w in range(len(self.loads)) if self.loads[w] < limit]
+        live = self.live(exclude)
+        room = [w for w in live if self.loads[w] < limit]
         if not room:
-            return self.least_loaded()
+            return self.least_loaded(exclude)
         return min(room, key=lambda w: (-self.loads[w], w))
+
+    def mark_down(self, worker: int) -> None:
+        """``worker`` died: route around it; what the router knew it held is forgotten (a
+        restarted process starts empty)."""
+        self.down.add(worker)
+        self._held[worker].clear()
+
+    def mark_up(self, worker: int) -> None:
+        self.down.discard(worker)
 
     def begin(self, worker: int) -> None:
         self.loads[worker] += 1
@@ -84,40 +107,3 @@ class PrefixRouter:
             held.move_to_end(name)
         while len(held) > self.capacity:
             held.popitem(last=False)
-
-
-class Provenance(NamedTuple):
-    """Of a request's cached pages: produced in another namespace / never seen produced."""
-
-    foreign_pages: int
-    unattributed_pages: int
-
-
-class ProvenanceLedger:
-    """Page name -> namespaces it was produced in, as workers report them."""
-
-    def __init__(self) -> None:
-        self._producers: dict[bytes, set[Namespace]] = {}
-
-    def add(self, namespace: Namespace, names: Sequence[bytes]) -> None:
-        for name in names:
-            self._producers.setdefault(name, set()).add(namespace)
-
-    def check(self, namespace: Namespace, cached_names: Sequence[bytes]) -> Provenance:
-        """``foreign``: a cached name also produced in another namespace (two namespaces
-        sharing a name is exactly how a page would leak between them)."""
-        foreign = unknown = 0
-        for name in cached_names:
-            producers = self._producers.get(name)
-            if producers is None:
-                unknown += 1
-            elif producers - {namespace}:
-                foreign += 1
-        return Provenance(foreign, unknown)
-
-    def shared_names(self) -> int:
-        """Names produced in more than one namespace (0 unless names ignore the namespace)."""
-        return sum(len(p) > 1 for p in self._producers.values())
-
-    def __len__(self) -> int:
-        return len(self._producers)

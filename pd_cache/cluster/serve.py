@@ -30,6 +30,7 @@ import dataclasses
 import itertools
 import logging
 import re
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -40,6 +41,7 @@ from ray import serve
 from pd_cache.cluster.pd_cluster import PDCluster
 from pd_cache.core.cluster_config import ClusterConfig
 from pd_cache.core.fields import check_positive, check_positive_int, from_mapping
+from pd_cache.core.request import DeadlineExceeded
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +59,15 @@ class IngressConfig:
     request_timeout_s: float = 30.0
     health_timeout_s: float = 5.0
     max_body_bytes: int = MAX_BODY_BYTES
+    cluster_name: str | None = "pd-cache"
 
     def __post_init__(self) -> None:
         for name in ("request_timeout_s", "health_timeout_s"):
             check_positive(name, getattr(self, name))
         check_positive_int("max_body_bytes", self.max_body_bytes)
+        if self.cluster_name is not None and not re.fullmatch(r"[\w.-]{1,64}", self.cluster_name):
+            raise ValueError(f"cluster_name: expected 1-64 of [A-Za-z0-9_.-] or null, got "
+                             f"{self.cluster_name!r}")
 
 
 class AppArgs(NamedTuple):
@@ -141,19 +147,14 @@ def completion_json(rid: str, out: Any) -> dict[str, Any]:
             "latency_ms": round(out.latency_s * 1e3, 3)}
 
 
-def _as_future(ref: Any) -> Any:
-    # NOTE: wait_for cancels what it awaits on timeout; an ObjectRef wrapped as a future
-    # can be cancelled without touching the actor.
-    return asyncio.wrap_future(ref.future())
-
-
 @serve.deployment(num_replicas=1, max_ongoing_requests=64, ray_actor_options={"num_cpus": 0})
 class PDCacheIngress:
     """Starts a ``PDCluster`` and serves it over HTTP; see the module docstring."""
 
     def __init__(self, args: AppArgs) -> None:
         self.args = args.ingress
-        self.cluster = PDCluster.start(args.cluster)
+        # NOTE: a named cluster's actors are detached: a restarted replica attaches to them.
+        self.cluster = PDCluster.start(args.cluster, name=args.ingress.cluster_name)
         self._rids = itertools.count()
 
     async def __call__(self, request: Any) -> Any:
@@ -192,15 +193,18 @@ class PDCacheIngress:
         rid = body.rid if body.rid is not None else f"http-{n}"
         # NOTE: the cluster keys slots and locks by rid, so two clients reusing one rid
         # must not collide: the internal rid is unique, the reply echoes the client's.
+        # NOTE: the deadline starts here, when the ingress has the request: Serve hands
+        # over no arrival time, so time spent in Serve's own queues is not counted.
         fields = {"rid": f"{rid}#{n}", "input_ids": body.input_ids,
                   "max_new_tokens": body.max_new_tokens, "cache_salt": body.cache_salt,
-                  "extra_key": body.extra_key}
+                  "extra_key": body.extra_key,
+                  "deadline": time.time() + self.args.request_timeout_s}
         try:
             out = await asyncio.wait_for(self.cluster.generate_async(fields),
                                          self.args.request_timeout_s)
         except ValueError as exc:
             raise HTTPError(400, str(exc), value_error_field(exc)) from None
-        except asyncio.TimeoutError:
+        except (asyncio.TimeoutError, DeadlineExceeded):
             raise HTTPError(503, f"no answer within {self.args.request_timeout_s} s",
                             None) from None
         except Exception as exc:  # noqa: BLE001  (a dead worker, a failed task)
@@ -209,21 +213,19 @@ class PDCacheIngress:
         return completion_json(rid, out)
 
     async def health(self) -> tuple[int, dict[str, Any]]:
-        c = self.cluster
-        pings = [a.ready.remote() for a in c.prefill + c.decode]
-        pings += [s.ping.remote() for s in c.storage]
-        try:
-            await asyncio.wait_for(asyncio.gather(*(_as_future(p) for p in pings)),
-                                   self.args.health_timeout_s)
-        except Exception as exc:  # noqa: BLE001
-            return 503, {"status": "unhealthy", "error": type(exc).__name__}
-        return 200, {"status": "ok", "model": c.config.model, "prefill": len(c.prefill),
-                     "decode": len(c.decode), "storage": len(c.storage)}
+        """200 once prefill and decode each have a live worker, else 503; with the live
+        workers by role."""
+        state = await self.cluster.health(self.args.health_timeout_s)
+        body = {"status": "ok" if state["healthy"] else "unhealthy",
+                "model": self.cluster.config.model, "live": state["live"],
+                "workers": state["workers"]}
+        return (200 if state["healthy"] else 503), body
 
     def __del__(self) -> None:
-        # Serve calls this when the replica shuts down: the cluster's actors go with it.
+        # Serve calls this when the replica shuts down. An unnamed cluster's actors go with
+        # it; a named one's stay for the next replica (`pd-cache serve` removes them at exit).
         cluster = getattr(self, "cluster", None)
-        if cluster is not None:
+        if cluster is not None and self.args.cluster_name is None:
             cluster.shutdown(check=False)
 
 

@@ -63,6 +63,7 @@ class ClusterConfig:
     actor_cpus: float = _knob(0.0, "CPUs each worker actor reserves from Ray")
     storage_timeout_s: float = _knob(10.0, "bound on any wait for an L3 call (s)")
     storage_restarts: int = _knob(3, "restarts of a storage actor before it stays dead")
+    worker_restarts: int = _knob(-1, "restarts of a prefill or decode actor (-1: always)")
     metrics_interval_s: float = _knob(5.0, "how often each storage shard exports its counts (s)")
 
     def __post_init__(self) -> None:
@@ -70,6 +71,7 @@ class ClusterConfig:
             check_int_at_least(name, getattr(self, name), 1)
         for name in ("num_storage", "balance_threshold", "storage_restarts"):
             check_int_at_least(name, getattr(self, name), 0)
+        check_int_at_least("worker_restarts", self.worker_restarts, -1)
         check_bool("cache", self.cache)
         check_bool("decode_pack", self.decode_pack)
         check_non_negative("actor_cpus", self.actor_cpus)

@@ -28,6 +28,10 @@ KV_DTYPES = ("float32", "bfloat16", "float16")
 WRITE_POLICIES = ("write_through", "write_back")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 ENV_PREFIX = "PD_CACHE_"
+# ModelConfig fields that change neither the weights nor how K and V are computed, so pages
+# stay shareable across them: the rotary tables span max_context positions, but the angles of
+# position p do not depend on how many positions the table holds.
+KV_NEUTRAL_FIELDS = frozenset({"max_context"})
 
 # The L3 backend registry: name -> "module:Class" (a class with ``from_config``), imported
 # lazily by ``pd_cache.storage.backend_class``. Adding a backend is one module and one entry
@@ -40,7 +44,12 @@ STORAGE_BACKENDS: dict[str, str] = {
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of the reference decoder-only transformer (see ``pd_cache.worker.model``)."""
+    """Shape of the reference decoder-only transformer (see ``pd_cache.worker.model``).
+
+    ``weights_digest`` names the exact weights: the xxh3_128 hex digest of their bytes
+    (``pd_cache.worker.digest``). Empty means "the weights this config seeds", which
+    ``kv_digest`` identifies; a cluster pins the digest of the built weights at start.
+    """
 
     name: str = "tiny"
     vocab_size: int = 512
@@ -54,6 +63,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     seed: int = 0
     kv_dtype: str = "float32"
+    weights_digest: str = ""
 
     def __post_init__(self) -> None:
         check(isinstance(self.name, str) and bool(self.name), "model.name", self.name,
@@ -66,6 +76,17 @@ class ModelConfig:
         check(self.head_dim % 2 == 0, "model.head_dim", self.head_dim, "an even number")
         check(self.vocab_size <= 2**32, "model.vocab_size", self.vocab_size, "<= 2**32")
         one_of("model.kv_dtype", self.kv_dtype, KV_DTYPES)
+        check(self.weights_digest == "" or _is_digest(self.weights_digest),
+              "model.weights_digest", self.weights_digest, "'' or 32 lowercase hex digits")
+
+    @property
+    def kv_digest(self) -> str:
+        """Stable digest of every field that changes the weights or how K and V are computed
+        (all but ``KV_NEUTRAL_FIELDS``; the layout carries ``weights_digest`` itself)."""
+        skip = KV_NEUTRAL_FIELDS | {"weights_digest"}
+        return _digest(b"pd-cache/model/v1", {f.name: getattr(self, f.name)
+                                               for f in dataclasses.fields(self)
+                                               if f.name not in skip})
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> ModelConfig:
@@ -89,6 +110,8 @@ class KVLayout:
     """Layout of one KV page; its fingerprint partitions L3 between models and layouts.
 
     A page is ``[2, num_layers, page_size, num_kv_heads, head_dim]`` (K and V).
+    ``model_id`` and ``weights_digest`` say which model computed it (see
+    ``PDCacheConfig.layout``); ``weights_digest`` is empty only in hand-made layouts.
     """
 
     model_id: str
@@ -99,8 +122,11 @@ class KVLayout:
     head_dim: int
     tp_rank: int = 0
     tp_size: int = 1
+    weights_digest: str = ""
 
     def __post_init__(self) -> None:
+        check(isinstance(self.weights_digest, str), "layout.weights_digest",
+              self.weights_digest, "a str")
         for name in ("num_layers", "page_size", "num_kv_heads", "head_dim", "tp_size"):
             check_positive_int(f"layout.{name}", getattr(self, name))
         check(isinstance(self.tp_rank, int) and 0 <= self.tp_rank < self.tp_size,
@@ -114,8 +140,8 @@ class KVLayout:
     @property
     def fingerprint(self) -> str:
         """Stable hex digest of every field (never Python's salted ``hash()``)."""
-        text = "|".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
-        return xxhash.xxh3_128_hexdigest(b"pd-cache/layout/v1\x00" + text.encode("utf-8"))
+        return _digest(b"pd-cache/layout/v2", {f.name: getattr(self, f.name)
+                                                for f in dataclasses.fields(self)})
 
 
 @dataclass(frozen=True)
@@ -186,10 +212,18 @@ class PDCacheConfig:
 
     @property
     def layout(self) -> KVLayout:
-        return KVLayout(model_id=f"{self.model.name}/seed{self.model.seed}",
-                        kv_dtype=self.model.kv_dtype, num_layers=self.model.num_layers,
-                        page_size=self.cache.page_size, num_kv_heads=self.model.num_kv_heads,
-                        head_dim=self.model.head_dim)
+        """The KV layout every worker and storage shard of this config uses.
+
+        ``model_id`` is the preset name and ``model.kv_digest``. ``weights_digest`` is
+        ``model.weights_digest`` if pinned, else derived from ``kv_digest`` (the weights the
+        config seeds), so a caller with no model gets the layout a worker of the same config
+        uses; a worker checks pinned weights against its own (``pd_cache.worker.digest``).
+        """
+        m, kv = self.model, self.model.kv_digest
+        return KVLayout(model_id=f"{m.name}/{kv}", kv_dtype=m.kv_dtype,
+                        num_layers=m.num_layers, page_size=self.cache.page_size,
+                        num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+                        weights_digest=m.weights_digest or f"config:{kv}")
 
     def check_compatible(self, other: PDCacheConfig) -> None:
         """Cross-role rule: two workers exchanging KV must agree on its layout."""
@@ -214,6 +248,17 @@ class PDCacheConfig:
             sections[section] = dataclasses.replace(current,
                                                     **_env_fields(env, section, klass))
         return cls(**sections)
+
+
+def _digest(tag: bytes, values: dict[str, Any]) -> str:
+    """xxh3_128 hex digest of ``name=repr(value)`` pairs, in the order given."""
+    text = "|".join(f"{name}={value!r}" for name, value in values.items())
+    return xxhash.xxh3_128_hexdigest(tag + b"\x00" + text.encode("utf-8"))
+
+
+def _is_digest(text: Any) -> bool:
+    return isinstance(text, str) and len(text) == 32 and all(c in "0123456789abcdef"
+                                                             for c in text)
 
 
 def _env_fields(env: Any, section: str, klass: type) -> dict[str, Any]:

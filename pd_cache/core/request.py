@@ -9,6 +9,8 @@ pages in its own namespace: the one way every process names them.
 
 from __future__ import annotations
 
+import math
+import time
 from typing import Any
 
 import msgspec
@@ -16,6 +18,10 @@ import msgspec
 from pd_cache.core.hashing import MAX_TOKEN, page_hashes, token_buffer
 
 MAX_NAMESPACE_BYTES = 256
+
+
+class DeadlineExceeded(TimeoutError):
+    """The request ran past its deadline; its work was dropped (crosses actors as itself)."""
 
 
 class SamplingParams(msgspec.Struct, frozen=True, gc=False):
@@ -50,7 +56,11 @@ def check_namespace(field: str, value: Any) -> None:
 
 
 class Req(msgspec.Struct, kw_only=True):
-    """One generation request. ``output_ids`` fills as it decodes."""
+    """One generation request. ``output_ids`` fills as it decodes.
+
+    ``deadline`` (``time.time()`` seconds, or ``None``: none) is when its answer stops being
+    wanted; every queue and batch drops the request then, and frees what it held.
+    """
 
     rid: str
     input_ids: list[int]
@@ -59,6 +69,7 @@ class Req(msgspec.Struct, kw_only=True):
     max_new_tokens: int = 16
     sampling: SamplingParams = SamplingParams()
     output_ids: list[int] = []
+    deadline: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.rid, str) or not self.rid:
@@ -80,6 +91,21 @@ class Req(msgspec.Struct, kw_only=True):
                 or self.max_new_tokens < 0):
             raise ValueError(f"max_new_tokens: expected an int >= 0, got "
                              f"{self.max_new_tokens!r}")
+        if self.deadline is not None and (isinstance(self.deadline, bool)
+                                          or not isinstance(self.deadline, (int, float))
+                                          or not math.isfinite(self.deadline)):
+            raise ValueError(f"deadline: expected time.time() seconds or None, got "
+                             f"{self.deadline!r}")
+
+    def expired(self, now: float | None = None) -> bool:
+        """Whether the request is past its deadline (never, without one)."""
+        return self.deadline is not None and (time.time() if now is None else now) \
+            >= self.deadline
+
+    def check_deadline(self, where: str) -> None:
+        """Raise ``DeadlineExceeded`` if the request is past its deadline."""
+        if self.expired():
+            raise DeadlineExceeded(f"request {self.rid}: past its deadline at {where}")
 
     @classmethod
     def admit(cls, *, vocab_size: int = MAX_TOKEN, max_context: int | None = None,

@@ -30,6 +30,7 @@ class MissReason(str, Enum):
     NAMESPACE_REFUSED = "namespace_refused"
     TIMEOUT = "timeout"
     STORAGE_ERROR = "storage_error"
+    CROSS_NAMESPACE = "cross_namespace"   # produced under another namespace seed: refused
 
 
 class Event(str, Enum):
@@ -49,6 +50,7 @@ PREFETCH_ACK = "prefetch_ack"       # reasons: ok | short
 BACKUP = "backup"                   # prefill write-through; reasons: page | failed_batch
 OFFLOAD = "offload"                 # decode's writes; same reasons, plus the page kinds
 DECODE = "decode"                   # reasons: step (batched forwards), token (tokens drawn)
+DEADLINE = "deadline"               # reason: dropped (requests past their deadline)
 PAGE, FAILED_BATCH = "page", "failed_batch"
 
 # What an offloaded page holds: prompt KV, or KV of generated tokens.

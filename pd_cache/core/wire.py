@@ -18,9 +18,10 @@ class PrefillInfo(msgspec.Struct, frozen=True, gc=False):
     """What prefill tells the router and decode, next to the KV pages.
 
     ``page_names`` name the prompt's full pages (as the engine used them);
-    ``cached_tokens`` counts prompt tokens served by each tier; ``foreign_pages`` counts
-    cached pages whose engine name differs from the name this worker computed for the
-    request's namespace (must stay 0).
+    ``cached_tokens`` counts prompt tokens served by each tier; ``seed`` is the namespace
+    seed of the request the KV was computed for (decode compares it with its own);
+    ``cross_namespace_pages`` counts cached pages the worker refused because another
+    namespace had produced them (recomputed; 0 unless a lookup is wrong).
     """
 
     rid: str
@@ -30,7 +31,8 @@ class PrefillInfo(msgspec.Struct, frozen=True, gc=False):
     page_size: int
     page_names: tuple[bytes, ...]
     cached_tokens: dict[str, int]
-    foreign_pages: int
+    seed: bytes
+    cross_namespace_pages: int
     compute_s: float
 
     @property
@@ -46,15 +48,15 @@ class PrefillInfo(msgspec.Struct, frozen=True, gc=False):
 class DecodeInfo(msgspec.Struct, frozen=True, gc=False):
     """A finished decode: the generated tokens and what moved.
 
-    ``page_names`` name every full page of prompt + output in the request's namespace, as
-    this worker computes them (the chain continued past the prompt).
+    ``cross_namespace_pages``: handed-off pages refused because they were computed for
+    another namespace (decode recomputed the prompt instead; 0 unless routing is wrong).
     """
 
     rid: str
     worker: int
     output_ids: list[int]
     pages_received: int
-    page_names: tuple[bytes, ...]
+    cross_namespace_pages: int
     handoff_s: float
     decode_s: float
 
@@ -71,10 +73,10 @@ class WorkerState(NamedTuple):
 class Completion(NamedTuple):
     """One finished request as the caller sees it.
 
-    ``cross_namespace_tokens``: cached prompt tokens whose page name was produced in
-    another namespace, or that the prefill worker found under a name other than the one it
-    computed for the request (must be 0); ``unattributed_tokens``: cached tokens of pages
-    no worker of this cluster reported producing (for example a disk tier's older pages).
+    ``cross_namespace_tokens``: tokens of cached or handed-off pages that a reader refused
+    because another namespace had produced them (each reader compares the producer's
+    namespace seed, stored with every page, with its own request's; must be 0).
+    ``attempts``: 1, or 2 when a worker died under the request and it ran again elsewhere.
     """
 
     rid: str
@@ -87,7 +89,7 @@ class Completion(NamedTuple):
     latency_s: float
     pages_handed_off: int
     cross_namespace_tokens: int
-    unattributed_tokens: int
+    attempts: int = 1
     prefill_s: float = 0.0   # the prefill worker's own time (match, L3, compute)
     handoff_s: float = 0.0   # decode fetching the prompt's KV pages
     decode_s: float = 0.0    # decode, batched with the other requests in flight

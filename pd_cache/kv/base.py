@@ -75,11 +75,13 @@ class CacheKey(NamedTuple):
 
 
 class HitPage(NamedTuple):
-    """One matched page: its name, the tier it was found in and its slot there."""
+    """One matched page: its name, the tier it was found in, its slot there, and the
+    namespace seed of the request that produced it (``b""``: not recorded)."""
 
     name: bytes
     tier: Tier
     slot: int
+    seed: bytes = b""
 
 
 class MatchResult(NamedTuple):
@@ -149,8 +151,16 @@ class PrefixCache(ABC):
         """A copy of the matched pages, ``[match.num_pages, *page_shape]``, in key order."""
 
     @abstractmethod
-    def insert(self, key: CacheKey, pages: torch.Tensor) -> InsertResult:
+    def prefix_of(self, match: MatchResult, num_pages: int) -> MatchResult:
+        """The first ``num_pages`` pages of ``match`` (ending at their own node)."""
+
+    @abstractmethod
+    def insert(self, key: CacheKey, pages: torch.Tensor, seed: bytes = b"") -> InsertResult:
         """Cache the full pages of ``key``; ``pages[i]`` is the KV of page ``i``.
+
+        ``seed`` is the namespace seed of the request that computed them, kept with each new
+        page so that a reader can check it against its own request's seed (the audit that
+        does not trust the lookup).
 
         Pages already cached are kept as they are (and loaded back to device if they were
         on host only); new ones get device slots, evicting unlocked pages as needed, and

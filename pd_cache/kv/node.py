@@ -10,12 +10,13 @@ class Node:
     """One cached page: its name and tokens, where it is stored, who pins it."""
 
     __slots__ = ("name", "tokens", "parent", "children", "depth", "device_slot", "host_slot",
-                 "own_locks", "lock_ref", "last_access", "attached", "seq")
+                 "own_locks", "lock_ref", "last_access", "attached", "seq", "seed")
     _seq = itertools.count()
 
     def __init__(self, name: bytes = b"", tokens: tuple[int, ...] = (),
-                 parent: Node | None = None) -> None:
+                 parent: Node | None = None, seed: bytes = b"") -> None:
         self.name, self.tokens, self.parent = name, tokens, parent
+        self.seed = seed   # namespace seed of the request that produced the page
         self.children: dict[bytes, Node] = {}
         self.depth = 0 if parent is None else parent.depth + 1
         self.device_slot: int | None = None

@@ -102,13 +102,20 @@ class RadixCache(PrefixCache):
         return self._result(match.key, match.node)
 
     def _result(self, key: CacheKey, node: Node) -> MatchResult:
-        pages = tuple(HitPage(n.name, Tier.DEVICE, n.device_slot) if n.device_slot is not None
-                      else HitPage(n.name, Tier.HOST, n.host_slot) for n in node.path())
+        pages = tuple(HitPage(n.name, Tier.DEVICE, n.device_slot, n.seed)
+                      if n.device_slot is not None
+                      else HitPage(n.name, Tier.HOST, n.host_slot, n.seed) for n in node.path())
         return MatchResult(pages, node, key)
+
+    def prefix_of(self, match: MatchResult, num_pages: int) -> MatchResult:
+        if not 0 <= num_pages <= match.num_pages:
+            raise ValueError(f"num_pages: expected 0..{match.num_pages}, got {num_pages}")
+        node = match.node.path()[num_pages - 1] if num_pages else self.root
+        return MatchResult(match.pages[:num_pages], node, match.key)
 
     # -- insert ---------------------------------------------------------------------------
 
-    def insert(self, key: CacheKey, pages: torch.Tensor) -> InsertResult:
+    def insert(self, key: CacheKey, pages: torch.Tensor, seed: bytes = b"") -> InsertResult:
         self._check_key(key)
         check_pages(pages, self.layout, field="insert: pages")
         if pages.shape[0] < key.num_pages:
@@ -122,7 +129,7 @@ class RadixCache(PrefixCache):
             self._load(missing, slots[:len(missing)])
             if len(slots) < len(missing):
                 return InsertResult(node, 0, done)
-            new = self._add_pages(node, key, done, pages, slots[len(missing):])
+            new = self._add_pages(node, key, done, pages, slots[len(missing):], seed)
         finally:
             self.unlock(node)
         last = new[-1] if new else node
@@ -140,7 +147,7 @@ class RadixCache(PrefixCache):
         return node, key.num_pages
 
     def _add_pages(self, node: Node, key: CacheKey, start: int, pages: torch.Tensor,
-                   slots: list[int]) -> list[Node]:
+                   slots: list[int], seed: bytes) -> list[Node]:
         """Attach pages ``start, start + 1, ...`` below ``node``, one per device slot."""
         if not slots:
             return []
@@ -155,7 +162,7 @@ class RadixCache(PrefixCache):
             self.device.copy_to(self.host, slots[:len(host_slots)], host_slots)
         new = []
         for i, slot in enumerate(slots):
-            node = self._attach(node, key, start + i, slot)
+            node = self._attach(node, key, start + i, slot, seed)
             node.host_slot = host_slots[i] if i < len(host_slots) else None
             new.append(node)
         self.stats.count(Event.STORED, Tier.DEVICE.value, len(new))
@@ -163,8 +170,9 @@ class RadixCache(PrefixCache):
             self.stats.count(Event.STORED, Tier.HOST.value, len(host_slots))
         return new
 
-    def _attach(self, parent: Node, key: CacheKey, i: int, device_slot: int) -> Node:
-        child = Node(key.names[i], key.page_tokens(i), parent)
+    def _attach(self, parent: Node, key: CacheKey, i: int, device_slot: int,
+                seed: bytes) -> Node:
+        child = Node(key.names[i], key.page_tokens(i), parent, seed)
         child.device_slot = device_slot
         parent.children[child.name] = child
         return child

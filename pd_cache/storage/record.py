@@ -3,10 +3,12 @@
     record = RecordHeader (msgspec) + one payload tensor per pool, in ``header.pools`` order
 
 The header carries the page's identity (layout fingerprint, name, prior name, token ids,
-hash algo) and, per pool, its dtype, shape and an xxh3-64 checksum of its bytes. A reader
-checks a record against what it asked for with :func:`verify` before using it; since
-``name == H(prior || u32le(tokens))`` is recomputed there, a record filed under the wrong
-key (another namespace's page, another position in the chain) cannot pass.
+hash algo, and the namespace seed of the request that produced it) and, per pool, its dtype,
+shape and an xxh3-64 checksum of its bytes. A reader checks a record against what it asked
+for with :func:`verify` before using it; since ``name == H(prior || u32le(tokens))`` is
+recomputed there, a record filed under the wrong key (another namespace's page, another
+position in the chain) cannot pass; the seed lets a reader audit the namespace without
+trusting the lookup that found the record.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import xxhash
 from pd_cache.core.config import KVLayout
 from pd_cache.core.hashing import DIGEST_SIZES, page_hashes, token_buffer
 
-RECORD_VERSION = 1
+RECORD_VERSION = 2   # 2: the producer's namespace seed in the header
 KV_POOL = "kv"
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -52,6 +54,7 @@ class RecordHeader(msgspec.Struct, frozen=True, gc=False):
     prior: bytes
     tokens: tuple[int, ...]
     pools: tuple[PoolEntry, ...]
+    seed: bytes = b""   # namespace seed of the producing request; readers compare their own
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -120,10 +123,12 @@ def check_pool_name(pool: Any, field: str = "pool") -> str:
 
 
 def make_record(name: bytes, prior: bytes, tokens: Any, pools: Mapping[str, torch.Tensor], *,
-                fingerprint: str, algo: str = "xxh3_128") -> PageRecord:
+                fingerprint: str, algo: str = "xxh3_128", seed: bytes = b"") -> PageRecord:
     """Build the record of one page; checksums are computed here, from the payloads.
 
-    Payloads are referenced, not copied: do not modify them before they are stored.
+    ``seed`` is the namespace seed of the request that produced the page (a reader
+    refuses a record whose seed is not its own request's). Payloads are referenced, not
+    copied: do not modify them before they are stored.
     """
     size = DIGEST_SIZES.get(algo)
     if size is None:
@@ -142,8 +147,10 @@ def make_record(name: bytes, prior: bytes, tokens: Any, pools: Mapping[str, torc
         tensor = _check_tensor(tensor, f"pools[{pool!r}]")
         entries.append(PoolEntry(pool, _dtype_name(tensor), tuple(tensor.shape), checksum(tensor)))
         payloads.append(tensor)
+    if not isinstance(seed, bytes):
+        raise ValueError(f"seed: expected bytes, got {type(seed).__name__}")
     header = RecordHeader(RECORD_VERSION, fingerprint, algo, name, prior, token_ids,
-                          tuple(entries))
+                          tuple(entries), seed)
     return PageRecord(header, tuple(payloads))
 
 

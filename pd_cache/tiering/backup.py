@@ -86,7 +86,7 @@ class BackupWriter:
         records = [make_record(name, chain.prior(lo + i),
                                tokens[(lo + i) * ps:(lo + i + 1) * ps],
                                {KV_POOL: pages[lo + i]}, fingerprint=link.layout.fingerprint,
-                               algo=link.algo)
+                               algo=link.algo, seed=chain.seed)
                    for i, name in enumerate(batch)]
         try:
             acks = link.storage.submit_set(batch, records, link.info(req, chain, prefix)) \

@@ -32,10 +32,15 @@ Alloc = Callable[[int, str], list[int]]
 
 
 class Prefetched:
-    """Pages a prefetch landed in host slots, in chain order; ``release`` frees the slots."""
+    """Pages a prefetch landed in host slots, in chain order; ``release`` frees the slots.
 
-    def __init__(self, pool: PagePool, slots: list[int], owner: str) -> None:
+    ``cross_namespace`` counts records refused because another namespace produced them.
+    """
+
+    def __init__(self, pool: PagePool, slots: list[int], owner: str,
+                 cross_namespace: int = 0) -> None:
         self.pool, self.slots, self.owner = pool, slots, owner
+        self.cross_namespace = cross_namespace
 
     @property
     def num_pages(self) -> int:
@@ -75,16 +80,17 @@ class Prefetcher:
         chain = Chain.of(req, names, prefix, algo=self.link.algo)
         hits = self.link.query(req, chain) if chain.names else 0
         slots = self._alloc(hits, owner) if hits else []
+        refused: list[bytes] = []
         try:
             landed = self._load(req, chain._replace(names=chain.names[:len(slots)]), slots,
-                                policy or self.config.prefetch_policy)
+                                policy or self.config.prefetch_policy, refused)
         except Exception as e:  # noqa: BLE001 - a malformed answer is a miss, never a failure
             self.link.fault(req, "prefetch", MissReason.STORAGE_ERROR, e, len(slots))
             landed = 0
         self.host.free(slots[landed:], owner)
         if landed:
             self.stats.count(Event.HIT, Tier.STORAGE, landed)
-        return Prefetched(self.host, slots[:landed], owner)
+        return Prefetched(self.host, slots[:landed], owner, len(refused))
 
     def deadline(self, policy: str, num_tokens: int) -> float | None:
         """When the policy stops waiting (``time.monotonic()`` scale); ``None``: no wait."""
@@ -96,8 +102,10 @@ class Prefetcher:
         bound = c.prefetch_timeout_base_s + c.prefetch_timeout_per_1k_tokens_s * num_tokens / 1e3
         return time.monotonic() + min(bound, c.prefetch_timeout_max_s)
 
-    def _load(self, req: Req, chain: Chain, slots: list[int], policy: str) -> int:
-        """Submit every batch, then land them in order; one ack per batch issued."""
+    def _load(self, req: Req, chain: Chain, slots: list[int], policy: str,
+              refused: list[bytes]) -> int:
+        """Submit every batch, then land them in order; one ack per batch issued.
+        Names of records another namespace produced are added to ``refused``."""
         runs = batches(chain.names, self.config.batch_pages)
         prefix, issued = self.link.start_prefix(chain), []
         for batch in runs:
@@ -107,7 +115,8 @@ class Prefetcher:
         deadline = self.deadline(policy, len(chain.names) * self.link.page_size)
         landed, going = 0, True
         for batch, pending in zip(runs, issued):
-            got = self._land(req, chain, landed, batch, pending, slots, deadline) if going else 0
+            got = (self._land(req, chain, landed, batch, pending, slots, deadline, refused)
+                   if going else 0)
             self.stats.count(PREFETCH_ACK, "ok" if got == len(batch) else "short")
             landed += got
             going = going and got == len(batch)
@@ -121,7 +130,7 @@ class Prefetcher:
 
     def _land(self, req: Req, chain: Chain, start: int, batch: list[bytes],
               pending: Pending[Any] | Exception, slots: list[int],
-              deadline: float | None) -> int:
+              deadline: float | None, refused: list[bytes]) -> int:
         """Verify one batch's records and copy the leading good ones to their slots."""
         records = self._wait(req, pending, deadline, len(batch))
         if records is None:
@@ -129,7 +138,9 @@ class Prefetcher:
         records = records[:len(batch)] + [None] * (len(batch) - len(records))  # short: misses
         good: list[torch.Tensor] = []
         for i, (name, record) in enumerate(zip(batch, records)):
-            reason = self._check(req, record, name, chain.prior(start + i))
+            reason = self._check(req, record, name, chain.prior(start + i), chain.seed)
+            if reason is MissReason.CROSS_NAMESPACE:
+                refused.extend(batch[i:])   # counted like every miss: the pages it costs
             if reason is not None:
                 if record is None and isinstance(pending, Pending):
                     reason = _missing_reason(pending)
@@ -155,10 +166,16 @@ class Prefetcher:
             self.link.fault(req, "get", MissReason.STORAGE_ERROR, e, n)
             return None
 
-    def _check(self, req: Req, record: PageRecord | None, name: bytes,
-               prior: bytes) -> MissReason | None:
+    def _check(self, req: Req, record: PageRecord | None, name: bytes, prior: bytes,
+               seed: bytes) -> MissReason | None:
         if record is None:
             return MissReason.NOT_STORED
+        if record.header.seed != seed:
+            # NOTE: the audit does not trust the lookup: whatever found this record, another
+            # namespace produced it, so it is never served to this request.
+            log.error("request %s: L3 record %s was produced in another namespace; refused",
+                      req.rid, name.hex())
+            return MissReason.CROSS_NAMESPACE
         problem = verify(record, self.link.layout, self.link.algo, name=name, prior=prior,
                          pool=KV_POOL)
         if problem:

@@ -11,6 +11,7 @@ which the decode worker copies before use.
 from __future__ import annotations
 
 import functools
+import os
 import time
 import warnings
 from collections.abc import Sequence
@@ -26,6 +27,7 @@ from pd_cache.worker.workers import DecodeWorker, PrefillWorker
 
 ACTOR_ENV = {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1", "OMP_NUM_THREADS": "1"}
 DECODE_CONCURRENCY = 64   # decode calls one batching actor takes in at once
+ActorOptions = dict[str, Any]
 
 
 def _storage_client(handles: Sequence[Any], config: PDCacheConfig,
@@ -79,6 +81,10 @@ class _Host:
     def ready(self) -> int:
         return self.worker.worker_id
 
+    def pid(self) -> int:
+        """The hosting process id (changes when the actor restarts)."""
+        return os.getpid()
+
 
 class PrefillActor(_Host):
     def __init__(self, config: PDCacheConfig, worker_id: int, storage_handles: Sequence[Any],
@@ -103,6 +109,7 @@ class DecodeActor(_Host):
                          storage_timeout_s, max_batch=max_batch)
 
     def decode(self, req: Req, info: PrefillInfo, page_refs: list[Any]) -> DecodeInfo:
+        req.check_deadline("handoff")
         start = time.perf_counter()
         pages = ray.get(page_refs[0])
         return self.worker.decode(req, info, pages, time.perf_counter() - start)
@@ -113,27 +120,47 @@ def _remote(cls: type) -> Any:
     return ray.remote(cls)
 
 
-def _options(num_cpus: float, max_restarts: int, max_concurrency: int = 1) -> dict[str, Any]:
-    return {"num_cpus": num_cpus, "max_restarts": max_restarts,
-            "max_concurrency": max_concurrency, "runtime_env": {"env_vars": dict(ACTOR_ENV)}}
+def _options(num_cpus: float, max_restarts: int, max_concurrency: int = 1,
+             actor: ActorOptions | None = None) -> dict[str, Any]:
+    options = {"num_cpus": num_cpus, "max_restarts": max_restarts,
+               "max_concurrency": max_concurrency,
+               "runtime_env": {"env_vars": dict(ACTOR_ENV)}}
+    return {**options, **(actor or {})}
+
+
+def named(name: str, namespace: str, *, detached: bool = True) -> ActorOptions:
+    """Options of a named actor that outlives its creator (``detached``) and is fetched,
+    not created again, by whoever asks for the same name (``get_if_exists``)."""
+    out: ActorOptions = {"name": name, "namespace": namespace, "get_if_exists": True}
+    if detached:
+        out["lifetime"] = "detached"
+    return out
 
 
 def prefill_actor(config: PDCacheConfig, worker_id: int, storage_handles: Sequence[Any] = (),
                   *, threads: int = 1, num_cpus: float = 0, max_restarts: int = 0,
-                  storage_timeout_s: float | None = 10.0) -> Any:
-    """A ``PrefillActor`` handle; ``prefill.remote(req)`` returns ``(info_ref, pages_ref)``."""
-    return _remote(PrefillActor).options(**_options(num_cpus, max_restarts)).remote(
+                  storage_timeout_s: float | None = 10.0,
+                  actor: ActorOptions | None = None) -> Any:
+    """A ``PrefillActor`` handle; ``prefill.remote(req)`` returns ``(info_ref, pages_ref)``.
+
+    ``max_restarts`` (-1: always) brings a killed process back; its calls are not retried
+    by Ray (the router retries a request elsewhere). ``actor``: more Ray actor options
+    (a name, a placement resource, ...)."""
+    return _remote(PrefillActor).options(**_options(num_cpus, max_restarts, 1, actor)).remote(
         config, worker_id, list(storage_handles), threads, storage_timeout_s)
 
 
 def decode_actor(config: PDCacheConfig, worker_id: int, storage_handles: Sequence[Any] = (),
                  *, threads: int = 1, num_cpus: float = 0, max_restarts: int = 0,
-                 storage_timeout_s: float | None = 10.0, max_batch: int = 1) -> Any:
+                 storage_timeout_s: float | None = 10.0, max_batch: int = 1,
+                 actor: ActorOptions | None = None) -> Any:
     """A ``DecodeActor`` handle; ``decode.remote(req, info, [pages_ref])`` -> ``DecodeInfo``.
 
     ``max_batch > 1``: up to that many requests decode together; the actor then takes
-    more calls at once than it batches (the rest wait in the batcher's queue).
+    more calls at once than it batches (the rest wait in the batcher's queue). Restarts and
+    ``actor`` as for ``prefill_actor``.
     """
     concurrency = 1 if max_batch == 1 else DECODE_CONCURRENCY
-    return _remote(DecodeActor).options(**_options(num_cpus, max_restarts, concurrency)).remote(
+    options = _options(num_cpus, max_restarts, concurrency, actor)
+    return _remote(DecodeActor).options(**options).remote(
         config, worker_id, list(storage_handles), threads, storage_timeout_s, max_batch)

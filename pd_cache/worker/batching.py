@@ -12,7 +12,9 @@ tokens, so a long answer never holds a short one back::
 
 Every engine call (``start_decode``, ``decode_step``, ``finish_decode``) runs on that one
 thread, so the engine stays single-threaded. A bad request fails alone: its caller gets
-the ``ValueError``, the others keep going.
+the ``ValueError``, the others keep going. A request past its deadline is never started,
+and one that expires while decoding leaves the batch at the next step (its caller gets
+``DeadlineExceeded``; its KV buffer goes with it).
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ from typing import NamedTuple
 
 import torch
 
-from pd_cache.core.request import Req
-from pd_cache.worker.engine import DecodeSeq, LocalEngine
+from pd_cache.core.request import DeadlineExceeded, Req
+from pd_cache.core.vocab import DEADLINE
+from pd_cache.worker.engine import LocalEngine
+from pd_cache.worker.outputs import DecodeSeq
 
 
 class _Job(NamedTuple):
@@ -87,7 +91,8 @@ class DecodeBatcher:
                     done.set_exception(e)
                 active.clear()
                 continue
-            active[:] = [(s, d) for s, d in active if not self._finish(s, d)]
+            active[:] = [(s, d) for s, d in active
+                         if not self._finish(s, d) and not self._expired(s.req, d)]
         while not self._queue.empty():   # handed in after close: never started
             job = self._queue.get()
             if job is not None:
@@ -104,6 +109,8 @@ class DecodeBatcher:
             if job is None:
                 return True
             block = False
+            if self._expired(job.req, job.done):
+                continue
             try:
                 seq = self.engine.start_decode(job.req, job.pages, job.num_prompt_tokens,
                                                job.first_token)
@@ -112,6 +119,16 @@ class DecodeBatcher:
                 continue
             if not self._finish(seq, job.done):
                 active.append((seq, job.done))
+        return False
+
+    def _expired(self, req: Req, done: Future[list[int]]) -> bool:
+        """Drop ``req`` if it is past its deadline (its caller gets ``DeadlineExceeded``)."""
+        try:
+            req.check_deadline("decode")
+        except DeadlineExceeded as e:
+            self.engine.stats.count(DEADLINE, "dropped")
+            done.set_exception(e)
+            return True
         return False
 
     def _finish(self, seq: DecodeSeq, done: Future[list[int]]) -> bool:

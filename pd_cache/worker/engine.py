@@ -19,66 +19,25 @@ Not thread-safe: a worker drives it from one loop (L3 writes run on their own th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import NamedTuple
+import logging
 
 import torch
 
 from pd_cache.core.config import PDCacheConfig
-from pd_cache.core.hashing import to_hex
+from pd_cache.core.hashing import namespace_seed, to_hex
 from pd_cache.core.request import Req
 from pd_cache.core.stats import Stats
-from pd_cache.core.vocab import DECODE, Tier
+from pd_cache.core.vocab import DECODE, Event, MissReason, Tier
 from pd_cache.kv import CacheKey, MatchResult, PagePool, RadixCache, SlotError
 from pd_cache.kv.pool import device_pool, host_pool
 from pd_cache.storage.base import StorageBackend
 from pd_cache.tiering.controller import CacheController
-from pd_cache.tiering.offload import DecodeOffloadManager, OffloadState
+from pd_cache.tiering.offload import DecodeOffloadManager
+from pd_cache.worker.digest import model_layout
 from pd_cache.worker.model import Model, check_pages, kv_to_pages, pages_to_kv, sample
+from pd_cache.worker.outputs import DecodeSeq, PrefillOutput, Result, StoredPages
 
-
-class PrefillOutput(NamedTuple):
-    """What prefill hands to decode.
-
-    ``kv_pages`` ``[ceil(n / page_size), *page_shape]`` hold the prompt's KV (the last
-    page zero past token ``n``); ``page_names`` name its full pages; ``cached_tokens``
-    counts prompt tokens served from each tier (``device``, ``host``, ``storage``);
-    ``logits`` ``[vocab]`` are those ``first_token`` was drawn from.
-    """
-
-    rid: str
-    first_token: int
-    kv_pages: torch.Tensor
-    num_prompt_tokens: int
-    page_names: tuple[bytes, ...]
-    cached_tokens: dict[str, int]
-    logits: torch.Tensor
-
-
-class Result(NamedTuple):
-    """A finished request: generated tokens, cached prompt tokens by tier, first logits."""
-
-    rid: str
-    output_ids: list[int]
-    cached_tokens: dict[str, int]
-    first_logits: torch.Tensor
-
-
-@dataclass(eq=False)
-class DecodeSeq:
-    """One request being decoded: its KV buffer, where the next token's KV goes, the
-    tokens drawn so far (``seq`` = prompt + tokens, kept for offload naming)."""
-
-    req: Req
-    buf: torch.Tensor
-    pos: int
-    tokens: list[int]
-    seq: list[int]
-    state: OffloadState | None
-
-    @property
-    def done(self) -> bool:
-        return len(self.tokens) >= self.req.max_new_tokens
+log = logging.getLogger(__name__)
 
 
 class LocalEngine:
@@ -96,7 +55,8 @@ class LocalEngine:
                  offload_stride: int | None = None,
                  storage_timeout_s: float = 30.0) -> None:
         self.config = config if config is not None else PDCacheConfig()
-        self.layout = self.config.layout
+        # NOTE: config.layout, once pinned weights (if any) are checked to be this model's.
+        self.layout = model_layout(self.config)
         self.page_size = self.config.cache.page_size
         self.model = Model(self.config.model, device)
         self.stats = Stats()
@@ -133,39 +93,53 @@ class LocalEngine:
                                    algo=self.config.cache.hash_algo)
         # NOTE: at least the last prompt token is always computed: its logits give token 0.
         usable = (len(req.input_ids) - 1) // self.page_size
-        match = self.cache.match_prefix(key, max_pages=usable)
+        seed = namespace_seed(req.extra_key, req.cache_salt, self.config.cache.hash_algo)
+        match, refused = self._audit(req, self.cache.match_prefix(key, max_pages=usable), seed)
         self.cache.lock(match.node)
         try:
-            return self._prefill_locked(req, key, match, usable)
+            return self._prefill_locked(req, key, match, usable, seed, refused)
         finally:
             self.cache.unlock(match.node)
 
-    def _prefill_locked(self, req: Req, key: CacheKey, match: MatchResult,
-                        usable: int) -> PrefillOutput:
+    def _audit(self, req: Req, match: MatchResult, seed: bytes) -> tuple[MatchResult, int]:
+        """``match`` up to its first page another namespace produced, and how many pages
+        that refuses. Independent of the lookup: it compares the seed each page was stored
+        with against the request's own."""
+        good = next((i for i, p in enumerate(match.pages) if p.seed != seed), match.num_pages)
+        refused = match.num_pages - good
+        if refused:
+            log.error("request %s: %d cached pages were produced in another namespace; "
+                      "refused and recomputed", req.rid, refused)
+            self.stats.count(Event.MISS, MissReason.CROSS_NAMESPACE, refused)
+        return self.cache.prefix_of(match, good), refused
+
+    def _prefill_locked(self, req: Req, key: CacheKey, match: MatchResult, usable: int,
+                        seed: bytes, refused: int) -> PrefillOutput:
         # NOTE: ``match`` keeps the tiers the pages were found in; load-back moves them.
         prefix = self.cache.read_pages(self.cache.load_back(match))
         wanted = key.names[match.num_pages:usable]
         stored = self._match_storage(req, wanted, key.names[:match.num_pages])
-        check_pages(stored, self.layout, field="_match_storage: pages")
-        if stored.shape[0] > len(wanted):
-            raise ValueError(f"_match_storage: pages: {stored.shape[0]} pages for "
+        check_pages(stored.pages, self.layout, field="_match_storage: pages")
+        if stored.pages.shape[0] > len(wanted):
+            raise ValueError(f"_match_storage: pages: {stored.pages.shape[0]} pages for "
                              f"{len(wanted)} names")
-        prefix = torch.cat([prefix, stored.to(prefix.device)])
+        prefix = torch.cat([prefix, stored.pages.to(prefix.device)])
         num_cached = prefix.shape[0] * self.page_size
         prefix_kv = pages_to_kv(prefix, num_cached, self.layout)
         out = self.model(req.input_ids[num_cached:], prefix_kv)
         pages = kv_to_pages(torch.cat([prefix_kv, out.kv], dim=2), self.page_size)
-        self.cache.insert(key, pages)
+        self.cache.insert(key, pages, seed)
         self._write_through(req, key, prefix.shape[0], pages)
         logits = out.logits[-1]
         cached = {Tier.DEVICE.value: match.count(Tier.DEVICE) * self.page_size,
                   Tier.HOST.value: match.count(Tier.HOST) * self.page_size,
-                  Tier.STORAGE.value: stored.shape[0] * self.page_size}
+                  Tier.STORAGE.value: stored.pages.shape[0] * self.page_size}
         return PrefillOutput(req.rid, sample(logits, req.sampling, 0), pages,
-                             len(req.input_ids), key.names, cached, logits)
+                             len(req.input_ids), key.names, cached, logits, seed,
+                             refused + stored.cross_namespace)
 
     def _match_storage(self, req: Req, names: tuple[bytes, ...],
-                       prefix: tuple[bytes, ...]) -> torch.Tensor:
+                       prefix: tuple[bytes, ...]) -> StoredPages:
         """KV of the leading pages of ``names`` that a lower tier (L3) can supply.
 
         ``names`` are the prompt's page names right after the local L1/L2 hit, ``prefix``
@@ -173,10 +147,11 @@ class LocalEngine:
         ``k`` of them; the engine computes the rest. Without L3, ``k = 0``.
         """
         if self.controller is None or not names:
-            return torch.empty((0, *self.layout.page_shape), dtype=self.device_pool.data.dtype)
+            return StoredPages(torch.empty((0, *self.layout.page_shape),
+                                           dtype=self.device_pool.data.dtype))
         fetched = self.controller.prefetch(req, names, prefix)
         try:
-            return fetched.read()
+            return StoredPages(fetched.read(), fetched.cross_namespace)
         finally:
             fetched.release()
 
@@ -196,6 +171,13 @@ class LocalEngine:
                                key.tokens[num_cached * ps:key.num_pages * ps],
                                pages[num_cached:key.num_pages], key.names[:num_cached])
 
+    def compute_prompt(self, req: Req) -> tuple[torch.Tensor, int]:
+        """The prompt's KV pages and first token computed from scratch, no cache touched
+        (what decode falls back to when handed-off KV fails its audit)."""
+        self._check_request(req)
+        out = self.model(req.input_ids, None)
+        return kv_to_pages(out.kv, self.page_size), sample(out.logits[-1], req.sampling, 0)
+
     def decode(self, req: Req, prompt_kv_pages: torch.Tensor, num_prompt_tokens: int,
                first_token: int) -> list[int]:
         """Generate ``req.max_new_tokens`` tokens after the prompt; fills ``req.output_ids``.
@@ -208,6 +190,7 @@ class LocalEngine:
         """
         seq = self.start_decode(req, prompt_kv_pages, num_prompt_tokens, first_token)
         while not seq.done:
+            req.check_deadline("decode")
             self.decode_step([seq])
         return self.finish_decode(seq)
 

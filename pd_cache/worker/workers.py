@@ -7,13 +7,16 @@ pages (one tensor, handed over as an ObjectRef), and ``DecodeInfo`` comes back::
     PrefillWorker.prefill(req)  -> PrefillResult(info: PrefillInfo, kv_pages)
     DecodeWorker.decode(req, info, kv_pages, handoff_s) -> DecodeInfo
 
-Each worker names the request's pages in its own process (``page_names``) and the prefill
-worker checks that the engine looked its cached pages up under exactly those names: a
-cached page under any other name is counted in ``PrefillInfo.foreign_pages``.
+Every reader audits the namespace without trusting the lookup: the prefill engine compares
+the producer's namespace seed stored with each cached page (radix node, L3 record) with its
+request's own, and the decode worker compares the handed-off KV's seed (``PrefillInfo.seed``)
+with its request's; a page that fails is refused, recomputed and counted
+(``cross_namespace_pages``).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any, NamedTuple
@@ -21,13 +24,23 @@ from typing import Any, NamedTuple
 import torch
 
 from pd_cache.core.config import PDCacheConfig
-from pd_cache.core.hashing import from_hex
-from pd_cache.core.request import Req, compute_prefix_hash
-from pd_cache.core.vocab import GENERATED, OFFLOAD, PROMPT, TIERS, namespace_kind
+from pd_cache.core.hashing import from_hex, namespace_seed
+from pd_cache.core.request import Req
+from pd_cache.core.vocab import (
+    GENERATED,
+    OFFLOAD,
+    PROMPT,
+    TIERS,
+    Event,
+    MissReason,
+    namespace_kind,
+)
 from pd_cache.core.wire import DecodeInfo, PrefillInfo, WorkerState
 from pd_cache.metrics import PDCacheMetrics
 from pd_cache.worker.batching import DecodeBatcher
 from pd_cache.worker.engine import LocalEngine
+
+log = logging.getLogger(__name__)
 
 
 class PrefillResult(NamedTuple):
@@ -50,11 +63,6 @@ class _Worker:
     def page_names(self, req: Req) -> list[bytes]:
         """The request's prompt page names as this process's engine computes them (debug)."""
         return [from_hex(name) for name in self.engine.page_names(req)]
-
-    def chain_names(self, req: Req, tokens: list[int]) -> list[bytes]:
-        """Names of the full pages of ``tokens`` in ``req``'s namespace."""
-        return compute_prefix_hash(req, tokens, page_size=self.page_size,
-                                   algo=self.config.cache.hash_algo)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for this worker's background L3 writes (write-through, offload)."""
@@ -96,24 +104,18 @@ class PrefillWorker(_Worker):
     role = "prefill"
 
     def prefill(self, req: Req) -> PrefillResult:
-        """Raises ``ValueError`` for a request the model cannot serve; nothing is cached."""
+        """Raises ``ValueError`` for a request the model cannot serve (nothing is cached),
+        ``DeadlineExceeded`` for one past its deadline (nothing is computed)."""
+        req.check_deadline("prefill")
         start = time.perf_counter()
         out = self.engine.prefill(req)
         seconds = time.perf_counter() - start
         cached = {tier: int(out.cached_tokens.get(tier, 0)) for tier in TIERS}
-        names = tuple(out.page_names)
-        foreign = self._foreign_pages(req, names, sum(cached.values()))
         info = PrefillInfo(req.rid, self.worker_id, out.first_token, out.num_prompt_tokens,
-                           self.page_size, names, cached, foreign, seconds)
+                           self.page_size, tuple(out.page_names), cached, out.seed,
+                           out.cross_namespace_pages, seconds)
         self._record(req, info)
         return PrefillResult(info, out.kv_pages)
-
-    def _foreign_pages(self, req: Req, names: tuple[bytes, ...], cached_tokens: int) -> int:
-        """Cached pages the engine found under a name other than this process's own name
-        for the request's namespace."""
-        mine = self.chain_names(req, req.input_ids)
-        k = cached_tokens // self.page_size
-        return sum(a != b for a, b in zip(names[:k], mine[:k])) + max(0, k - len(mine))
 
     def _record(self, req: Req, info: PrefillInfo) -> None:
         if self.metrics is None:
@@ -148,17 +150,29 @@ class DecodeWorker(_Worker):
         if info.rid != req.rid:
             raise ValueError(f"info.rid: {info.rid!r} does not match request {req.rid!r}")
         # NOTE: received pages may be a read-only view of shared memory. The engine never
-        # writes into them: decode copies them into its own KV buffer, offload clones.
+        # writes into them: decode copies them into its own KV buffer, offload snapshots.
         start = time.perf_counter()
+        received, first, refused = kv_pages, info.first_token, self._audit(req, info)
+        if refused:
+            kv_pages, first = self.engine.compute_prompt(req)
         run = self.engine.decode if self.batcher is None else self.batcher.decode
-        tokens = run(req, kv_pages, info.num_prompt_tokens, info.first_token)
+        tokens = run(req, kv_pages, info.num_prompt_tokens, first)
         seconds = time.perf_counter() - start
-        names = tuple(self.chain_names(req, req.input_ids + tokens))
-        result = DecodeInfo(req.rid, self.worker_id, tokens, int(kv_pages.shape[0]), names,
+        result = DecodeInfo(req.rid, self.worker_id, tokens, int(received.shape[0]), refused,
                             handoff_s, seconds)
         with self._record_lock:   # calls may run on several threads; metrics deltas may not
             self._record(req, result, kv_pages)
         return result
+
+    def _audit(self, req: Req, info: PrefillInfo) -> int:
+        """Pages handed off for another namespace than ``req``'s (all of them, or 0)."""
+        if info.seed == namespace_seed(req.extra_key, req.cache_salt,
+                                       self.config.cache.hash_algo):
+            return 0
+        log.error("request %s: the handed-off KV was computed in another namespace; "
+                  "refused, recomputing the prompt", req.rid)
+        self.engine.stats.count(Event.MISS, MissReason.CROSS_NAMESPACE, info.num_kv_pages)
+        return info.num_kv_pages
 
     def close(self) -> None:
         if self.batcher is not None:

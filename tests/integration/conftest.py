@@ -17,6 +17,12 @@ class RayCluster(NamedTuple):
     metrics_port: int
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """``multinode`` tests run last, after the unit tests too: each such module ends the
+    session's cluster below to start its own, and nothing starts it again."""
+    items.sort(key=lambda item: item.get_closest_marker("multinode") is not None)
+
+
 def _free_port(low: int = 20000, high: int = 30000) -> int:
     # NOTE: outside 10002-19999, Ray's worker port range.
     for port in range(low, high):
@@ -33,7 +39,10 @@ def _free_port(low: int = 20000, high: int = 30000) -> int:
 def ray_cluster() -> Iterator[RayCluster]:
     os.environ["RAY_AUTH_MODE"] = "disabled"
     port = _free_port()
+    # NOTE: address="local" always starts a cluster of its own: never attach a test session
+    # to some other Ray cluster that happens to run on this machine.
     info = ray.init(
+        address="local",
         num_cpus=4,
         include_dashboard=False,
         _metrics_export_port=port,

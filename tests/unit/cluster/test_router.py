@@ -1,11 +1,10 @@
-"""The router's pure logic: prefix-aware prefill routing, decode packing, the ledger."""
+"""The router's pure logic: prefix-aware prefill routing, decode packing."""
 
 from __future__ import annotations
 
 import pytest
 
-from pd_cache.cluster.router import PrefixRouter, ProvenanceLedger
-from pd_cache.core.hashing import page_hashes
+from pd_cache.cluster.router import NoLiveWorker, PrefixRouter
 
 PS = 4
 
@@ -28,19 +27,6 @@ def test_router_prefers_longest_match_until_overloaded() -> None:
         PrefixRouter(0, 4)
 
 
-def test_ledger_flags_names_shared_between_namespaces() -> None:
-    ledger = ProvenanceLedger()
-    a, b = ("lora", None), (None, "t")
-    own = page_hashes(range(8), PS, extra_key="lora")
-    ledger.add(a, own)
-    assert ledger.check(a, own) == (0, 0)
-    assert ledger.check(b, own) == (2, 0)  # b got pages produced only in a
-    # A naming bug that ignored the namespace would give b the same names: flagged too.
-    ledger.add(b, own[:1])
-    assert ledger.check(a, own) == (1, 0) and ledger.shared_names() == 1
-    assert ledger.check(a, [b"\x00" * 16]) == (0, 1)
-
-
 def test_decode_router_packs_until_the_batch_is_full() -> None:
     router = PrefixRouter(2, 0)
     picks = []
@@ -51,3 +37,20 @@ def test_decode_router_packs_until_the_batch_is_full() -> None:
     assert picks == [0, 0, 1, 1, 0]   # fill worker 0, then 1; both full: least loaded
     router.end(1), router.end(1)
     assert router.loads == [3, 0] and router.pack(limit=2) == 1
+
+
+def test_down_workers_are_routed_around_until_they_are_up_again() -> None:
+    r = PrefixRouter(3, capacity_pages=8)
+    names = [bytes([i]) * 16 for i in range(3)]
+    r.record(0, names)
+    assert r.pick(names).worker == 0
+    r.mark_down(0)
+    assert r.pick(names).worker == 1                 # the best match is down: next best
+    assert r.matched(0, names) == 0                  # what it held is forgotten
+    assert r.least_loaded() == 1 and r.pack(limit=2) == 1
+    assert r.pick(names, exclude=[1]).worker == 2    # a retry excludes the failed worker
+    r.mark_down(2)
+    with pytest.raises(NoLiveWorker, match="down: \\[0, 2\\]"):
+        r.pick(names, exclude=[1])
+    r.mark_up(0)
+    assert r.pick(names, exclude=[1]).worker == 0

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -67,3 +70,68 @@ def test_env_overrides() -> None:
         PDCacheConfig.from_env({"PD_CACHE_CACHE_PAGE_SIZE": "big"})
     with pytest.raises(ValueError, match="page_size"):
         PDCacheConfig.from_env({"PD_CACHE_CACHE_PAGE_SIZE": "0"})
+
+
+# One value per ModelConfig field that differs from the default. A new field must be added
+# here, and so decide whether it changes a page's bytes (see KV_NEUTRAL_FIELDS).
+OTHER_VALUES = {
+    "name": "tiny-ft", "vocab_size": 1024, "hidden_size": 128, "num_layers": 3,
+    "num_heads": 8, "num_kv_heads": 4, "head_dim": 32, "intermediate_size": 256,
+    "max_context": 2048, "rope_theta": 500000.0, "seed": 1, "kv_dtype": "bfloat16",
+    "weights_digest": "0123456789abcdef" * 2,
+}
+
+
+def test_every_model_field_that_changes_kv_changes_the_fingerprint() -> None:
+    from pd_cache.core.config import KV_NEUTRAL_FIELDS
+
+    base = PDCacheConfig()
+    assert set(OTHER_VALUES) == {f.name for f in dataclasses.fields(ModelConfig)}
+    for name, value in OTHER_VALUES.items():
+        other = dataclasses.replace(base, model=dataclasses.replace(base.model, **{name: value}))
+        same = other.layout.fingerprint == base.layout.fingerprint
+        assert same == (name in KV_NEUTRAL_FIELDS), name
+    assert KV_NEUTRAL_FIELDS == {"max_context"}
+
+
+def test_page_size_and_tp_rank_layout_change_the_fingerprint() -> None:
+    base = PDCacheConfig()
+    paged = dataclasses.replace(base, cache=dataclasses.replace(base.cache, page_size=8))
+    assert paged.layout.fingerprint != base.layout.fingerprint
+    ranks = {dataclasses.replace(base.layout, tp_size=2, tp_rank=r).fingerprint for r in (0, 1)}
+    assert len(ranks | {base.layout.fingerprint}) == 3
+
+
+def test_a_model_override_from_the_environment_changes_the_fingerprint() -> None:
+    wider = PDCacheConfig.from_env({"PD_CACHE_MODEL_HIDDEN_SIZE": "128"})
+    assert wider.model.hidden_size == 128
+    assert wider.layout.fingerprint != PDCacheConfig.from_env({}).layout.fingerprint
+    with pytest.raises(ValueError, match="layout"):
+        wider.check_compatible(PDCacheConfig())
+
+
+def test_unpinned_weights_digest_is_derived_from_the_config() -> None:
+    base = PDCacheConfig()
+    assert base.layout.weights_digest == PDCacheConfig().layout.weights_digest != ""
+    pinned = dataclasses.replace(base.model, weights_digest="ab" * 16)
+    assert PDCacheConfig(model=pinned).layout.weights_digest == "ab" * 16
+
+
+@pytest.mark.parametrize("bad", ["xyz", "AB" * 16, "ab" * 15, 7])
+def test_weights_digest_must_be_empty_or_an_xxh3_128_hex_digest(bad: object) -> None:
+    with pytest.raises(ValueError, match="model.weights_digest"):
+        ModelConfig(weights_digest=bad)  # type: ignore[arg-type]
+
+
+FINGERPRINT_SCRIPT = """
+from pd_cache.core.config import PDCacheConfig
+print(PDCacheConfig.from_env({"PD_CACHE_MODEL_HIDDEN_SIZE": "128"}).layout.fingerprint)
+"""
+
+
+def test_equal_configs_give_equal_fingerprints_in_another_process() -> None:
+    out = subprocess.run([sys.executable, "-c", FINGERPRINT_SCRIPT], check=True,
+                         capture_output=True, text=True, env={**os.environ,
+                                                              "PYTHONHASHSEED": "random"})
+    here = PDCacheConfig.from_env({"PD_CACHE_MODEL_HIDDEN_SIZE": "128"}).layout.fingerprint
+    assert out.stdout.strip() == here

@@ -147,7 +147,8 @@ def test_bad_label_or_amount_is_refused_and_records_nothing(served, call, named)
 def test_vocabularies_are_fixed_and_names_follow_the_convention():
     assert VOCABULARIES["reason"] == tuple(r.value for r in MissReason)
     assert set(VOCABULARIES["reason"]) == {"not_stored", "evicted", "verification_failed",
-                                           "namespace_refused", "timeout", "storage_error"}
+                                           "namespace_refused", "timeout", "storage_error",
+                                           "cross_namespace"}
     suffix = {"counter": "_total", "histogram": "_seconds", "gauge": "_pages"}
     for spec in METRICS:
         assert spec.name.startswith("pd_cache_") and spec.name.endswith(suffix[spec.kind])
@@ -224,8 +225,11 @@ def test_instances_have_their_own_registries():
 
 def test_server_stops():
     metrics = PDCacheMetrics("prometheus")
+    metrics.count_cached_tokens("host", 7)
     with metrics.serve() as server:
-        assert scrape(server.url) is not None
+        assert value(scrape(server.url), "pd_cache_cached_tokens_total", tier="host") == 7
+        metrics.count_cached_tokens("host", 5)   # each scrape reads the live registry
+        assert value(scrape(server.url), "pd_cache_cached_tokens_total", tier="host") == 12
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(server.url, timeout=2)
 

@@ -4,12 +4,13 @@ and the next turn of a conversation finds them in L3 and still produces the same
 from __future__ import annotations
 
 import pytest
-import torch
 
-from pd_cache.core.hashing import page_hashes
+from pd_cache.core.hashing import namespace_seed, page_hashes
 from pd_cache.core.request import Req
 from pd_cache.core.vocab import GENERATED, OFFLOAD, PROMPT
+from pd_cache.kv import kv_to_pages
 from pd_cache.storage import make_backend
+from pd_cache.tiering.offload import DecodeOffloadManager
 from pd_cache.worker.engine import LocalEngine
 from tests.unit.tiering.test_controller import PS, Wrapper, assert_clean, config, prompt, reference
 
@@ -90,9 +91,43 @@ def test_offload_writes_only_prompt_pages_l3_lacks_and_respects_stride() -> None
     decode_side.close()
 
 
-def test_stride_must_be_a_positive_int() -> None:
-    from pd_cache.tiering.offload import DecodeOffloadManager
+# A 10-token prompt (its 2 full pages written when decode starts) decoded to 30 tokens at
+# page size 4: {tokens with KV: generated pages sent then}; the call at 30 is the final one.
+STRIDES = [
+    (None, {12: 1, 16: 1, 20: 1, 24: 1, 28: 1}),   # default: one page, as each page fills
+    (1, {12: 1, 16: 1, 20: 1, 24: 1, 28: 1}),      # never before a page is full
+    (6, {14: 1, 18: 1, 22: 1, 26: 1, 30: 1}),      # 6 tokens past the last page written
+    (12, {20: 3, 30: 2}),                          # 3 pages at once; final sends the rest
+    (100, {30: 5}),                                # only the final call
+]
 
+
+@pytest.mark.parametrize("stride, sent_at", STRIDES, ids=[str(s) for s, _ in STRIDES])
+def test_stride_sets_when_generated_pages_are_offloaded(stride: int | None,
+                                                        sent_at: dict[int, int]) -> None:
+    cfg = config(batch=8)
+    store = Wrapper(make_backend(cfg.storage, cfg.layout))
+    engine = LocalEngine(cfg, storage=store)
+    manager = DecodeOffloadManager(engine.controller, stride=stride)
+    ns = ("lora-1", "tenant-a")
+    seq = prompt(25, 30)
+    kv = engine.model(seq).kv                      # the KV decode holds, token by token
+    state = manager.offload_kv_cache(req("r", seq[:10], ns, 20), kv_to_pages(kv[:, :, :10], PS))
+    assert engine.flush(10)
+    store.calls.clear()
+    sent = {n: manager.advance(state, seq[:n], kv, n, final=n == 30) for n in range(11, 31)}
+    assert {n: pages for n, pages in sent.items() if pages} == sent_at
+    assert engine.flush(10)
+    writes = [keys for op, keys, *_ in store.calls if op == "set"]
+    assert [len(keys) for keys in writes] == list(sent_at.values())   # one write per send
+    # the 5 full pages after the prompt's 2 (tokens 28-29 never fill a page)
+    names = page_hashes(seq, PS, extra_key=ns[0], cache_salt=ns[1])
+    assert [k for keys in writes for k in keys] == names[2:7] == state.names[2:]
+    assert engine.stats.get(OFFLOAD, GENERATED) == 5
+    engine.close()
+
+
+def test_stride_must_be_a_positive_int() -> None:
     cfg = config()
     engine = LocalEngine(cfg, storage=make_backend(cfg.storage, cfg.layout))
     for bad in (0, -4, 2.5, True):
@@ -100,5 +135,43 @@ def test_stride_must_be_a_positive_int() -> None:
             DecodeOffloadManager(engine.controller, stride=bad)
     with pytest.raises(ValueError, match="controller"):
         DecodeOffloadManager(object())  # type: ignore[arg-type]
-    assert torch.equal(engine.host_pool.data, torch.zeros_like(engine.host_pool.data))
     engine.close()
+
+
+@pytest.mark.parametrize("on", [True, False], ids=["prefix_keys", "no_prefix_keys"])
+def test_offload_writes_carry_prefix_keys_continuing_the_chain(on: bool) -> None:
+    cfg = config(batch=2, prefix_keys=on)
+    store = Wrapper(make_backend(cfg.storage, cfg.layout))
+    ns = ("lora-1", "tenant-a")
+    r = req("r", prompt(24, 22), ns, 11)
+    donor = LocalEngine(cfg, storage=store)         # an earlier request stored pages 0-1
+    donor.prefill(req("d", r.input_ids[:9], ns, 1))
+    assert donor.flush(10)
+    donor.close()
+    prefill_side, decode_side = LocalEngine(cfg), LocalEngine(cfg, storage=store)
+    out = prefill_side.prefill(r)                   # no L3 here: decode offloads the prompt
+    store.calls.clear()
+    decode_side.decode(r, out.kv_pages, out.num_prompt_tokens, out.first_token)
+    assert decode_side.flush(10)
+    # 22 + 11 - 1 = 32 tokens have KV: 8 pages, the prompt's 5 and 3 of generated tokens
+    seq = r.input_ids + r.output_ids
+    names = page_hashes(seq, PS, extra_key=ns[0], cache_salt=ns[1])[:8]
+    calls = [(op, names.index(keys[0]), len(keys), info, copy)
+             for op, keys, info, copy in store.calls]
+    # which prompt pages L3 lacks (batches of 2: it holds 0-1), then prompt pages 2-4 in
+    # batches of 2, then each generated page as it fills (stride: one page)
+    assert [(op, start, n) for op, start, n, *_ in calls] == [
+        ("exists", 0, 2), ("exists", 2, 2),
+        ("set", 2, 2), ("set", 4, 1), ("set", 5, 1), ("set", 6, 1), ("set", 7, 1)]
+    seed = namespace_seed(*ns)
+    for op, start, _, info, copy in calls:
+        assert info is not None and info.request_id == "r" and info.namespace_seed == seed
+        if not on:
+            assert info.prefix_keys is None and copy is None, (op, start)
+            continue
+        # the names before the batch, from the namespace seed on ([] for page 0): generated
+        # pages continue the prompt's chain; a list handed over is never changed afterwards
+        assert list(info.prefix_keys) == copy == names[:start], (op, start)
+    assert store.inner.batch_exists(names) == 8
+    prefill_side.close()
+    decode_side.close()

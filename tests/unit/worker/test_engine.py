@@ -13,6 +13,7 @@ from pd_cache.core.hashing import page_hashes
 from pd_cache.core.request import Req, SamplingParams
 from pd_cache.core.vocab import Event, Tier
 from pd_cache.kv import CacheKey, SlotError, kv_to_pages
+from pd_cache.storage import make_backend
 from pd_cache.worker.engine import LocalEngine
 from pd_cache.worker.model import Generation, Model, reference_generate
 
@@ -159,25 +160,31 @@ def test_prefill_and_decode_can_run_in_different_engines() -> None:
     decode_side.close()
 
 
-def test_storage_seam_pages_are_used_and_counted() -> None:
+def test_l3_pages_another_engine_stored_are_prefetched_and_counted() -> None:
     cfg = config(device=64)
-    prompt = corpus(seed=5, n=1)[0][0]
-    donor = LocalEngine(cfg).prefill(req(0, prompt))
-
-    class WithL3(LocalEngine):
-        def _match_storage(self, r: Req, names: tuple[bytes, ...],
-                           prefix: tuple[bytes, ...]) -> torch.Tensor:
-            assert prefix + names == donor.page_names[:len(prefix) + len(names)]
-            return donor.kv_pages[:len(names)]
-
-    engine = WithL3(cfg)
-    result = engine.generate(req(1, prompt))
-    assert result.cached_tokens == {"device": 0, "host": 0,
-                                    "storage": (len(prompt) - 1) // PS * PS}
-    assert result.output_ids == Reference(engine.model)(prompt).output_ids
+    store = make_backend(cfg.storage, cfg.layout)          # a real in-process L3
+    prompt, ns = corpus(seed=5, n=1)[0][0], ("lora-1", "tenant-a")
+    donor = LocalEngine(cfg, storage=store)
+    donated = donor.prefill(req(0, prompt, ns))            # written through to L3
+    assert donor.flush(10)
+    donor.close()
+    engine = LocalEngine(cfg, storage=store)               # empty device and host
+    r = req(1, prompt, ns)
+    out = engine.prefill(r)
+    usable = (len(prompt) - 1) // PS
+    assert out.cached_tokens == {"device": 0, "host": 0, "storage": usable * PS}
+    assert engine.stats.get(Event.HIT, Tier.STORAGE) == usable
+    # the KV of those pages is the donor's, verified and copied through host slots
+    assert torch.equal(out.kv_pages[:usable], donated.kv_pages[:usable])
+    tokens = engine.decode(r, out.kv_pages, out.num_prompt_tokens, out.first_token)
+    ref = Reference(engine.model)(prompt)
+    assert tokens == ref.output_ids
+    torch.testing.assert_close(out.logits, ref.logits[0], atol=1e-4, rtol=0)
     # pages fetched from L3 are now cached locally
-    assert engine.generate(req(2, prompt)).cached_tokens["device"] == result.cached_tokens[
-        "storage"]
+    again = engine.generate(req(2, prompt, ns))
+    assert again.cached_tokens == {"device": usable * PS, "host": 0, "storage": 0}
+    assert engine.flush(10)
+    assert_quiescent(engine)
     engine.close()
 
 

@@ -1,14 +1,23 @@
-"""The reference model: determinism, prefix-KV equivalence, page conversions, bad input."""
+"""The reference model: determinism, prefix-KV equivalence, page conversions, bad input,
+and the digest of its weights that the layout fingerprint carries."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from pd_cache.core.config import KVLayout, ModelConfig, PDCacheConfig
+from pd_cache.core.config import CacheConfig, KVLayout, ModelConfig, PDCacheConfig, StorageConfig
 from pd_cache.core.request import Req, SamplingParams
+from pd_cache.storage import make_backend
+from pd_cache.storage.tier import StorageTier
+from pd_cache.worker import digest
+from pd_cache.worker.digest import seeded_weights_digest, weights_digest, with_weights_digest
+from pd_cache.worker.engine import LocalEngine
 from pd_cache.worker.model import (
     Model,
     check_pages,
@@ -17,6 +26,7 @@ from pd_cache.worker.model import (
     reference_generate,
     sample,
 )
+from pd_cache.worker.outputs import Result
 
 CFG = ModelConfig.preset("tiny")
 
@@ -154,3 +164,97 @@ def test_seeded_sampling_depends_only_on_seed_and_step() -> None:
     assert draws == [sample(logits, hot, step) for step in range(20)]
     assert len(set(draws)) > 1      # a flat distribution: steps draw different tokens
     assert sample(logits, SamplingParams(), 3) == int(logits.argmax())
+
+
+# -- the weights digest in the layout fingerprint ---------------------------------------------
+
+def test_weights_digest_is_stable_and_changes_with_any_one_weight() -> None:
+    a, b = Model(CFG), Model(CFG)
+    assert weights_digest(a) == weights_digest(b) == seeded_weights_digest(CFG)
+    assert len(weights_digest(a)) == 32
+    b.blocks[1].w_down.data[3, 5] += 1e-3
+    assert weights_digest(b) != weights_digest(a)
+    assert weights_digest(Model(dataclasses.replace(CFG, seed=1))) != weights_digest(a)
+
+
+def test_seeded_weights_are_digested_once_per_model_config(monkeypatch) -> None:
+    built: list[ModelConfig] = []
+
+    class Counting(Model):
+        def __init__(self, cfg: ModelConfig) -> None:
+            built.append(cfg)
+            super().__init__(cfg)
+
+    monkeypatch.setattr(digest, "Model", Counting)
+    cfg = dataclasses.replace(CFG, seed=4321)
+    first = seeded_weights_digest(cfg)
+    assert seeded_weights_digest(dataclasses.replace(cfg, weights_digest=first)) == first
+    assert seeded_weights_digest(cfg) == first and len(built) == 1
+
+
+def test_two_checkpoints_of_equal_shapes_get_different_layouts() -> None:
+    a, b = Model(CFG), Model(CFG)
+    b.embed.data[0, 0] += 1.0
+    layouts = [PDCacheConfig(model=dataclasses.replace(CFG, weights_digest=weights_digest(m)))
+               .layout for m in (a, b)]
+    assert layouts[0].fingerprint != layouts[1].fingerprint
+    assert layouts[0].page_shape == layouts[1].page_shape
+
+
+def test_a_worker_and_a_storage_tier_of_one_config_agree() -> None:
+    cfg = with_weights_digest(PDCacheConfig())
+    assert with_weights_digest(cfg) == cfg
+    engine = LocalEngine(cfg)
+    tier = StorageTier(cfg, export_stats=False)
+    assert engine.layout == tier.backend.layout == cfg.layout
+    assert engine.layout.weights_digest == weights_digest(engine.model)
+    engine.close()
+
+
+def test_weights_other_than_the_pinned_ones_are_refused() -> None:
+    cfg = PDCacheConfig(model=dataclasses.replace(CFG, weights_digest="ab" * 16))
+    with pytest.raises(ValueError, match="model.weights_digest"):
+        LocalEngine(cfg)
+    with pytest.raises(ValueError, match="model.weights_digest"):
+        with_weights_digest(cfg)
+
+
+DIGEST_SCRIPT = """
+from pd_cache.core.config import PDCacheConfig
+from pd_cache.worker.digest import with_weights_digest
+print(with_weights_digest(PDCacheConfig()).layout.fingerprint)
+"""
+
+
+def test_equal_configs_give_equal_weights_digests_in_another_process() -> None:
+    out = subprocess.run([sys.executable, "-c", DIGEST_SCRIPT], check=True,
+                         capture_output=True, text=True,
+                         env={**os.environ, "PYTHONHASHSEED": "random"})
+    assert out.stdout.strip() == with_weights_digest(PDCacheConfig()).layout.fingerprint
+
+
+@pytest.mark.parametrize("pin", [False, True])
+def test_a_disk_l3_filled_by_one_model_serves_nothing_to_another(tmp_path, pin: bool) -> None:
+    cache = CacheConfig(page_size=4, device_pages=32, host_pages=32)
+    disk = StorageConfig(backend="disk", disk_path=str(tmp_path))
+    first = PDCacheConfig(cache=cache, storage=disk)
+    other = PDCacheConfig.from_env({"PD_CACHE_MODEL_HIDDEN_SIZE": "128"}, cache=cache,
+                                   storage=disk)
+    if pin:
+        first, other = with_weights_digest(first), with_weights_digest(other)
+    ids = _tokens(22, seed=9)
+    served = [_serve_once(cfg, ids) for cfg in (first, other, first)]
+    assert [s.cached_tokens["storage"] for s in served] == [0, 0, 20]
+    for cfg, result in zip((first, other, first), served):
+        want = reference_generate(Model(cfg.model), Req(rid="ref", input_ids=ids,
+                                                         max_new_tokens=5))
+        assert result.output_ids == want.output_ids
+
+
+def _serve_once(cfg: PDCacheConfig, ids: list[int]) -> Result:
+    """One request on a fresh engine over a fresh backend (as after a restart)."""
+    engine = LocalEngine(cfg, storage=make_backend(cfg.storage, cfg.layout))
+    result = engine.generate(Req(rid="r", input_ids=ids, max_new_tokens=5))
+    assert engine.flush(10)
+    engine.close()
+    return result

@@ -50,7 +50,7 @@ def test_handoff_between_workers_matches_reference_and_reuses_l3(model: Model) -
     out1, cached1 = serve(p0, d, turn1)
     assert out1 == reference_generate(model, turn1).output_ids
     assert sum(cached1.values()) == 0
-    p0.flush(), d.flush()
+    assert p0.flush(10) and d.flush(10)   # turn 1's write-through and offload have landed
     # Turn 2 on the other prefill worker: its prefix (prompt + answer) comes from L3,
     # including the pages decode offloaded for the answer.
     turn2 = Req(rid="t2", input_ids=turn1.input_ids + out1 + prompt(2, 5), cache_salt="a",
@@ -78,9 +78,9 @@ def test_namespace_isolation_and_names(model: Model) -> None:
     assert set(p.page_names(a)).isdisjoint(p.page_names(b))
     serve(p, d, a)
     info_b, _ = p.prefill(b)
-    assert sum(info_b.cached_tokens.values()) == 0 and info_b.foreign_pages == 0
+    assert sum(info_b.cached_tokens.values()) == 0 and info_b.cross_namespace_pages == 0
     info_a, _ = p.prefill(Req(rid="a2", input_ids=tokens, extra_key="lora", max_new_tokens=3))
-    assert info_a.cached_tokens["device"] == PS * 4 and info_a.foreign_pages == 0
+    assert info_a.cached_tokens["device"] == PS * 4 and info_a.cross_namespace_pages == 0
     p.close(), d.close()
 
 

@@ -1,0 +1,101 @@
+"""What operators and tests ask a running ``PDCluster``: names, writes, states, stats, and
+the way down (``shutdown``, ``destroy``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pd_cache.core.cluster_config import ClusterConfig
+from pd_cache.core.config import PDCacheConfig
+from pd_cache.core.request import Req
+from pd_cache.core.wire import PageNames, WorkerState
+
+NAMESPACE = "pd-cache"   # the Ray namespace of named (detached) clusters
+
+
+class ClusterOperations:
+    """Operator views of the actors a ``PDCluster`` holds (``prefill``, ``decode``,
+    ``storage``); mixed into ``PDCluster``."""
+
+    config: ClusterConfig
+    pd: PDCacheConfig
+    prefill: list[Any]
+    decode: list[Any]
+    storage: list[Any]
+
+    def router_names(self, req: Req) -> list[bytes]:
+        raise NotImplementedError
+
+    def page_names(self, req: Req) -> PageNames:
+        """The request's prompt page names from the router, every worker and every shard."""
+        import ray
+
+        prefill = [a.page_names.remote(req) for a in self.prefill]
+        decode = [a.page_names.remote(req) for a in self.decode]
+        tiers = [s.page_names.remote(req) for s in self.storage]
+        return PageNames(self.router_names(req), ray.get(prefill), ray.get(decode),
+                         ray.get(tiers))
+
+    def storage_client(self, timeout_s: float | None = None) -> Any:
+        """A client over this cluster's tier actors (``None`` without L3)."""
+        from pd_cache.storage.client import StorageClient
+
+        if not self.storage:
+            return None
+        return StorageClient(self.storage, algo=self.pd.cache.hash_algo,
+                             timeout_s=timeout_s or self.config.storage_timeout_s)
+
+    def flush(self) -> None:
+        """Wait until every worker's background L3 writes so far have finished."""
+        import ray
+
+        ray.get([a.flush.remote() for a in self.prefill + self.decode])
+
+    def l3_writes(self) -> dict[str, int]:
+        """Pages stored in L3 so far (after ``flush``): ``backup`` by prefill write-through,
+        ``offload`` by decode."""
+        import ray
+
+        out = {"backup": 0, "offload": 0}
+        for writes in ray.get([a.l3_writes.remote() for a in self.prefill + self.decode]):
+            for kind, n in writes.items():
+                out[kind] += n
+        return out
+
+    def states(self) -> list[WorkerState]:
+        import ray
+
+        return ray.get([a.state.remote() for a in self.prefill + self.decode])
+
+    def engine_stats(self) -> dict[str, dict[str, int]]:
+        import ray
+
+        stats = ray.get([a.engine_stats.remote() for a in self.prefill + self.decode])
+        roles = [f"prefill-{i}" for i in range(len(self.prefill))] + \
+                [f"decode-{i}" for i in range(len(self.decode))]
+        return dict(zip(roles, stats))
+
+    def shutdown(self, *, check: bool = True) -> None:
+        """Close every worker (with ``check``, raise ``SlotError`` if one leaked a lock or a
+        slot) and kill every actor of this cluster."""
+        import ray
+
+        closing = [a.close.remote() for a in self.prefill + self.decode] if check else []
+        try:
+            ray.get(closing)
+        finally:
+            for actor in self.prefill + self.decode + self.storage:
+                ray.kill(actor)
+            self.prefill, self.decode, self.storage = [], [], []
+
+
+    @staticmethod
+    def destroy(name: str) -> int:
+        """Kill every actor of the named cluster ``name`` (how many there were)."""
+        import ray
+
+        mine = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["namespace"] == NAMESPACE and a["name"].startswith(f"{name}/")]
+        for actor_name in mine:
+            ray.kill(ray.get_actor(actor_name, namespace=NAMESPACE))
+        return len(mine)

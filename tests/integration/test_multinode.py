@@ -1,0 +1,168 @@
+"""The PD cluster across two Ray nodes on this machine (``ray.cluster_utils.Cluster``).
+
+Prefill actors run on node A (with the driver), decode and storage actors on node B, so the
+prompt's KV reaches decode through Ray's object manager (node A's object store -> node B's)
+rather than shared memory, and a prefill worker's L3 prefetch crosses nodes too.
+
+This module starts its own cluster: it ends the session's single-node Ray if one is up and
+does not start it again, so it runs after every other test (see the integration conftest).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import pytest
+
+from pd_cache.app.workload import WorkloadConfig, make_conversations
+from pd_cache.cluster.pd_cluster import PDCluster
+from pd_cache.core.cluster_config import ClusterConfig
+from pd_cache.core.request import Req
+from pd_cache.worker.model import Model, reference_generate
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from pd_cache.storage import tier  # noqa: E402
+from pd_cache.worker import actors  # noqa: E402
+
+pytestmark = pytest.mark.multinode
+
+PS = 4
+CONFIG = ClusterConfig(model="tiny", page_size=PS, num_prefill=2, num_decode=1, num_storage=1,
+                       device_pages=64, host_pages=128, storage_capacity_bytes=1 << 25,
+                       storage_timeout_s=10.0)
+VOCAB = CONFIG.pd_config.model.vocab_size
+NODE_A, NODE_B = "node_a", "node_b"
+STORE_BYTES = 128 << 20   # per node; 150 MiB is Cluster's default
+INLINE_BYTES = 512        # objects above this go to the object store (Ray's default: 100 KiB)
+
+
+class Nodes(NamedTuple):
+    a: str   # node ids
+    b: str
+
+
+@pytest.fixture(scope="module")
+def nodes(request: pytest.FixtureRequest) -> Iterator[Nodes]:
+    # NOTE: the session's single-node Ray (if a test before started it) cannot stay: a
+    # driver talks to one cluster. It is ended here and not restarted, which is safe only
+    # while no test after this module needs it.
+    items = request.session.items
+    first = next(i for i, item in enumerate(items)
+                 if getattr(item, "module", None) is request.module)
+    later = [item.nodeid for item in items[first:] if "ray_cluster" in item.fixturenames]
+    assert not later, f"these need the session's Ray but run after the multinode tests: {later}"
+    ray.shutdown()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RAY_AUTH_MODE", "disabled")   # a throwaway cluster, as in the conftest
+        # NOTE: the nodes bind 127.0.0.1; without this, ray.init resolves the loopback
+        # address it is given to the machine's address, where nothing listens.
+        env.setattr(ray._private.ray_constants, "ENABLE_RAY_CLUSTER", False)
+        common = {"num_cpus": 2, "node_ip_address": "127.0.0.1",
+                  "object_store_memory": STORE_BYTES}
+        # NOTE: the tiny model's KV is a few KiB a request, which Ray would inline in the
+        # reply to the caller (under 100 KiB); a real model's never is. A low inline limit
+        # sends every handoff through the object stores, as in a deployment.
+        cluster = Cluster(initialize_head=True, head_node_args={
+            **common, "resources": {NODE_A: 100}, "include_dashboard": False,
+            "_system_config": {"max_direct_call_object_size": INLINE_BYTES}})
+        try:
+            node_b = cluster.add_node(**common, resources={NODE_B: 100})
+            ray.init(address=cluster.address, logging_level="WARNING")
+            yield Nodes(cluster.head_node.node_id, node_b.node_id)
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def cluster(nodes: Nodes) -> Iterator[PDCluster]:
+    pd, on_a, on_b = CONFIG.pd_config, {"resources": {NODE_A: 1}}, {"resources": {NODE_B: 1}}
+    # NOTE: storage_actors takes no Ray resources: the shards are made as it makes them,
+    # plus the resource that pins them to node B.
+    storage = [ray.remote(tier.StorageTier).options(
+        num_cpus=0, runtime_env={"env_vars": dict(tier.ACTOR_ENV)}, **on_b).remote(pd, i)
+        for i in range(pd.storage.num_shards)]
+    opts = {"threads": CONFIG.threads, "storage_timeout_s": CONFIG.storage_timeout_s}
+    prefill = [actors.prefill_actor(pd, i, storage, actor=on_a, **opts)
+               for i in range(CONFIG.num_prefill)]
+    decode = [actors.decode_actor(pd, i, storage, max_batch=CONFIG.decode_batch, actor=on_b,
+                                  **opts) for i in range(CONFIG.num_decode)]
+    ray.get([a.ready.remote() for a in prefill + decode] + [s.ping.remote() for s in storage])
+    c = PDCluster(CONFIG, prefill, decode, storage)
+    yield c
+    c.shutdown(check=True)  # raises if any worker leaked a lock or a slot
+
+
+def node_of(actor: Any) -> str:
+    return ray.get(actor.__ray_call__.remote(lambda _: ray.get_runtime_context().get_node_id()))
+
+
+def expected(model: Model, r: Req) -> list[int]:
+    return reference_generate(model, Req(rid="ref", input_ids=r.input_ids,
+                                         max_new_tokens=r.max_new_tokens)).output_ids
+
+
+def test_roles_run_on_the_nodes_they_were_placed_on(cluster: PDCluster, nodes: Nodes) -> None:
+    assert nodes.a != nodes.b
+    assert [node_of(a) for a in cluster.prefill] == [nodes.a] * CONFIG.num_prefill
+    assert [node_of(a) for a in cluster.decode + cluster.storage] == \
+        [nodes.b] * (CONFIG.num_decode + CONFIG.num_storage)
+
+
+def test_handed_off_pages_are_copied_to_the_decode_node(cluster: PDCluster,
+                                                         nodes: Nodes) -> None:
+    r = Req(rid="handoff", input_ids=random.Random(5).sample(range(VOCAB), 13),
+            cache_salt="tenant-h", max_new_tokens=3)
+    info_ref, pages_ref = cluster.prefill[0].prefill.remote(r)
+    out = ray.get(cluster.decode[0].decode.remote(r, ray.get(info_ref), [pages_ref]))
+    assert out.pages_received == -(-13 // PS)
+    # made on A, pulled to B by the object manager (B reports its copy asynchronously)
+    deadline, where = time.monotonic() + 10, set()
+    while where != {nodes.a, nodes.b} and time.monotonic() < deadline:
+        where = set(ray.experimental.get_object_locations([pages_ref])[pages_ref]["node_ids"])
+        time.sleep(0.1)
+    assert where == {nodes.a, nodes.b}
+
+
+def test_two_tenants_over_turns_equal_the_reference(cluster: PDCluster) -> None:
+    model = Model(CONFIG.pd_config.model)
+    wl = WorkloadConfig(tenants=2, clients_per_tenant=1, system_tokens=10, rounds=3,
+                        user_tokens=7, output_tokens=6, vocab_size=VOCAB, seed=23)
+    convs = make_conversations(wl)
+    assert {c.extra_key for c in convs} == {None, "adapter-1"}   # two tenants, one on a LoRA
+    answers: dict[str, list[list[int]]] = {c.name: [] for c in convs}
+    done = []
+    for turn in range(wl.rounds):
+        reqs = [Req(rid=f"{c.name}/{turn}", input_ids=c.prompt(turn, answers[c.name]),
+                    extra_key=c.extra_key, cache_salt=c.cache_salt,
+                    max_new_tokens=wl.output_tokens) for c in convs]
+        # turn 0 on prefill 0, turn 1 on prefill 1 (which has not seen turn 0: L3 serves
+        # it), turn 2 wherever the router sends it
+        worker = {0: 0, 1: 1}.get(turn)
+        outs = cluster.generate_many(reqs) if worker is None else \
+            [cluster.generate(r, prefill_worker=worker) for r in reqs]
+        cluster.flush()   # write-through and offload landed before the next turn looks
+        for c, r, out in zip(convs, reqs, outs):
+            assert out.output_ids == expected(model, r), (c.name, turn)
+            answers[c.name].append(out.output_ids)
+            done.append((turn, len(r.input_ids), out))
+    for turn, n, out in done:
+        assert out.cross_namespace_tokens == 0
+        if turn == 0:
+            assert sum(out.cached_tokens.values()) == 0
+        if turn == 1:
+            # the pages with KV after turn 0: its prompt (prefill's write-through) and its
+            # answer (decode's offload on node B), fetched by node A's other worker
+            before = n - wl.user_tokens
+            assert out.cached_tokens == {"device": 0, "host": 0,
+                                         "storage": PS * ((before - 1) // PS)}, out
+    assert {out.decode_worker for *_, out in done} == {0}
+    for state in cluster.states():
+        assert state.locks == 0, state
+        owners = {owner for pool in state.pool_usage.values() for owner in pool}
+        assert owners <= {"radix"}, state
