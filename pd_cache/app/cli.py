@@ -47,6 +47,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="address the HTTP proxy binds (default %(default)s)")
     parser.add_argument("--port", type=int, default=None,
                         help="HTTP port (default: the config's http_options.port)")
+    parser.add_argument("--api-keys", default=None, metavar="FILE",
+                        help="API-key file (JSON: key -> tenant); without one (and without "
+                             "PD_CACHE_API_KEYS_FILE) the server is open and binds loopback "
+                             "only")
 
 
 def load_serve_config(path: str | os.PathLike[str]) -> Any:
@@ -79,7 +83,7 @@ def build_application(app: Any) -> Any:
 def run_serve(args: argparse.Namespace) -> int:
     from ray import serve
 
-    config = load_serve_config(args.config)
+    config = with_api_keys(load_serve_config(args.config), args.api_keys, args.host)
     http = config.http_options.model_dump(exclude_unset=True)
     port = args.port if args.port is not None else config.http_options.port
     http.update(host=args.host, port=port)
@@ -103,10 +107,40 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def with_api_keys(config: Any, keys_file: str | None, host: str) -> Any:
+    """The config with ``keys_file`` as every app's ``api_keys_file``; ``ValueError`` if an
+    app would run open (no keys at all) on an address other than loopback."""
+    from pd_cache.cluster.app_args import AppArgs
+    from pd_cache.cluster.tenants import KEYS_ENV
+
+    for entry in config.applications:
+        if keys_file:
+            entry.args = {**(entry.args or {}), "api_keys_file": keys_file}
+        keyed = AppArgs.parse(entry.args).ingress.api_keys_file or os.environ.get(KEYS_ENV)
+        if not keyed and not _loopback(host):
+            raise ValueError(f"--host {host}: application {entry.name!r} has no API keys "
+                             "(open mode) and would serve a non-loopback address; give "
+                             "--api-keys FILE or bind 127.0.0.1")
+        print(f"{entry.name}: " + ("API keys required" if keyed else
+                                   "open mode (no API keys): loopback only"), flush=True)
+    return config
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _destroy_named_clusters(config: Any) -> None:
     """Remove the detached actors of every named cluster the config's apps started."""
+    from pd_cache.cluster.app_args import AppArgs
     from pd_cache.cluster.pd_cluster import PDCluster
-    from pd_cache.cluster.serve import AppArgs
 
     for entry in config.applications:
         name = AppArgs.parse(entry.args).ingress.cluster_name

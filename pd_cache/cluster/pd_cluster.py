@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any
 
 from pd_cache.cluster.health import Liveness, WorkerDied, worker_died
@@ -130,6 +130,60 @@ class PDCluster(ClusterOperations):
                 prefill_worker = decode_worker = None
         req.output_ids = list(out.output_ids)
         return self._complete(req, info, out, ttft, time.perf_counter() - start, attempt)
+
+    async def stream(self, req: Req | Mapping[str, Any]) -> AsyncIterator[int | Completion]:
+        """Serve one request token by token: each token id as soon as it is drawn (the first
+        right after prefill: its arrival is the TTFT), then the ``Completion``.
+
+        A worker that dies before the first token is sent is retried once elsewhere; after
+        that, a dead decode worker ends the stream with ``WorkerDied`` (no token is ever
+        sent twice). Closing the iterator early (a client that went away) cancels the
+        request's decode. Other errors as ``generate_async``.
+        """
+        req = self.admit(req)
+        start, failed = time.perf_counter(), {"prefill": [], "decode": []}
+        for attempt in (1, 2):
+            try:
+                info, pages_ref = await self._prefill(req, None, failed["prefill"])
+                break
+            except WorkerDied as e:
+                if attempt == 2 or req.expired():
+                    raise
+                failed[e.role].append(e.worker)
+        ttft = time.perf_counter() - start
+        if req.max_new_tokens:
+            yield info.first_token
+        out = None
+        async for item in self._decode_stream(req, info, pages_ref):
+            if isinstance(item, DecodeInfo):
+                out = item
+            else:
+                yield item
+        req.output_ids = list(out.output_ids)
+        yield self._complete(req, info, out, ttft, time.perf_counter() - start, attempt)
+
+    async def _decode_stream(self, req: Req, info: PrefillInfo,
+                             pages_ref: Any) -> AsyncIterator[int | DecodeInfo]:
+        self.liveness["decode"].refresh()
+        if self.config.decode_pack and self.config.decode_batch > 1:
+            worker = self.decode_router.pack(self.config.decode_batch)
+        else:
+            worker = self.decode_router.least_loaded()
+        self.decode_router.begin(worker)
+        actor, finished = self.decode[worker], False
+        try:
+            async for ref in actor.decode_stream.remote(req, info, [pages_ref]):
+                item = await _unwrap(ref)
+                finished = isinstance(item, DecodeInfo)
+                yield item
+        except Exception as e:
+            if worker_died(e):
+                raise self.liveness["decode"].died(worker, e) from e
+            raise
+        finally:
+            self.decode_router.end(worker)
+            if not finished:   # the consumer stopped early or the call failed: stop decoding
+                actor.cancel.remote(req.rid)
 
     def generate(self, req: Req | Mapping[str, Any], **route: int | None) -> Completion:
         return asyncio.run(self.generate_async(req, **route))

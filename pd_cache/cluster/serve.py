@@ -2,22 +2,19 @@
 
 ::
 
-    POST /v1/generate  {"input_ids": [...], "max_new_tokens": 16, "cache_salt": ..,
-                        "extra_key": .., "rid": ..}
-        -> 200 {"rid", "output_ids", "num_prompt_tokens", "cached_tokens": {tier: n},
-                "ttft_ms", "latency_ms"}
-        -> 400 {"error", "field"}   malformed JSON, a wrong type, an unknown field, or what
-                                    ``Req`` / the model refuse (empty prompt, token id out
-                                    of the vocabulary, prompt beyond the context, namespace)
-        -> 413 {"error", "field": "body"}  a body over ``max_body_bytes``
-        -> 503 {"error", "field": null}    a worker died or the request ran past
-                                           ``request_timeout_s``: never a hang
-    GET /healthz -> 200 when every worker and shard answers within ``health_timeout_s``,
-                    else 503
+    POST /v1/completions        OpenAI completions (text or token ids), streaming or not
+    POST /v1/chat/completions   OpenAI chat completions, streaming or not
+    GET  /v1/models             the served model
+    POST /v1/generate           token ids in, token ids out (pd-cache's own API)
+    GET  /healthz               200 once prefill and decode each have a live worker
 
-The ingress is thin: it decodes the body into a typed ``msgspec`` Struct, hands the fields
-to ``PDCluster.generate_async`` (which validates them as a ``Req``) and maps the outcome
-to a status. It is one replica on purpose: the router's prefix state lives in it.
+With an API-key file (``api_keys_file``, ``PD_CACHE_API_KEYS_FILE``) every ``/v1`` route
+needs ``Authorization: Bearer <key>`` and the namespace is derived from the key's tenant
+(``pd_cache.cluster.tenants``); without one the server is open (loopback only). At most
+``max_pending`` requests are admitted at once; beyond that, 429 with ``Retry-After``.
+Errors are OpenAI's shape (``pd_cache.cluster.http``). Streams are Server-Sent Events,
+one chunk per token as decode draws it (``PDCluster.stream``); a client that goes away
+cancels its request's decode.
 
 ``app_builder(args)`` builds the application from a Serve config's ``args`` (see
 ``deployments/serve_config.yaml``); ``app`` is the same builder, for ``import_path``.
@@ -26,69 +23,30 @@ to a status. It is one replica on purpose: the router's prefix state lives in it
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
-import re
+import os
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
 
 import msgspec
 from ray import serve
 
+from pd_cache.cluster import openai
+from pd_cache.cluster.app_args import AppArgs, IngressConfig
+from pd_cache.cluster.health import WorkerDied
+from pd_cache.cluster.http import HTTPError, check_rid, decode_json, read_body, value_error
 from pd_cache.cluster.pd_cluster import PDCluster
-from pd_cache.core.cluster_config import ClusterConfig
-from pd_cache.core.fields import check_positive, check_positive_int, from_mapping
-from pd_cache.core.request import DeadlineExceeded
+from pd_cache.cluster.router import NoLiveWorker
+from pd_cache.cluster.tenants import KEYS_ENV, Tenant, Tenants, Unauthorized
+from pd_cache.core.request import DeadlineExceeded, Req, SamplingParams
+from pd_cache.core.tokenizer import ByteTokenizer, StreamDecoder
+from pd_cache.core.wire import Completion
 
 log = logging.getLogger(__name__)
 
-GENERATE_PATH = "/v1/generate"
-HEALTH_PATH = "/healthz"
-# NOTE: a tiny/small-model prompt of a few thousand ids is ~50 KB of JSON; 1 MiB leaves
-# room and still refuses a body that would only waste the replica's memory.
-MAX_BODY_BYTES = 1 << 20
-
-
-@dataclass(frozen=True)
-class IngressConfig:
-    """The HTTP ingress's own knobs; every other ``args`` key is a ``ClusterConfig`` field."""
-
-    request_timeout_s: float = 30.0
-    health_timeout_s: float = 5.0
-    max_body_bytes: int = MAX_BODY_BYTES
-    cluster_name: str | None = "pd-cache"
-
-    def __post_init__(self) -> None:
-        for name in ("request_timeout_s", "health_timeout_s"):
-            check_positive(name, getattr(self, name))
-        check_positive_int("max_body_bytes", self.max_body_bytes)
-        if self.cluster_name is not None and not re.fullmatch(r"[\w.-]{1,64}", self.cluster_name):
-            raise ValueError(f"cluster_name: expected 1-64 of [A-Za-z0-9_.-] or null, got "
-                             f"{self.cluster_name!r}")
-
-
-class AppArgs(NamedTuple):
-    """The ``args`` of a Serve config, read into the two configs they describe."""
-
-    cluster: ClusterConfig
-    ingress: IngressConfig
-
-    @classmethod
-    def parse(cls, args: Mapping[str, Any] | None) -> AppArgs:
-        """``ValueError`` naming the key: unknown, of a wrong type, or of a bad value."""
-        args = dict(args or {})
-        ingress_keys = {f.name for f in dataclasses.fields(IngressConfig)}
-        cluster_keys = {f.name for f in dataclasses.fields(ClusterConfig)}
-        unknown = sorted(set(args) - ingress_keys - cluster_keys)
-        if unknown:
-            raise ValueError(f"args.{unknown[0]}: unknown key; expected one of "
-                             f"{sorted(ingress_keys | cluster_keys)}")
-        pick = lambda keys: {k: v for k, v in args.items() if k in keys}  # noqa: E731
-        return cls(from_mapping(ClusterConfig, pick(cluster_keys), "args."),
-                   from_mapping(IngressConfig, pick(ingress_keys), "args."))
+OPEN = Tenant("", admin=True)   # open mode: the client's own salt; details shown (loopback)
 
 
 class GenerateBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -101,125 +59,188 @@ class GenerateBody(msgspec.Struct, forbid_unknown_fields=True):
     rid: str | None = None
 
 
-class HTTPError(Exception):
-    """A refused request: status, message and the field it concerns."""
+def _json(status: int, payload: Any, headers: dict[str, str] | None = None) -> Any:
+    from starlette.responses import Response
 
-    def __init__(self, status: int, error: str, field: str | None) -> None:
-        super().__init__(error)
-        self.status, self.error, self.field = status, error, field
-
-
-_AT_PATH = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
-_IN_BACKTICKS = re.compile(r"field `(?P<name>[^`]+)`")
-_LEADING_FIELD = re.compile(r"^(?P<field>[A-Za-z_][\w.]*(?:\[\d+\])?):")
+    return Response(msgspec.json.encode(payload), status_code=status, headers=headers,
+                    media_type="application/json")
 
 
-def decode_body(body: bytes, max_bytes: int = MAX_BODY_BYTES) -> GenerateBody:
-    """``body`` as a ``GenerateBody``; ``HTTPError`` 413 if too large, 400 naming the field
-    for malformed JSON, a wrong type, a missing or an unknown field."""
-    if len(body) > max_bytes:
-        raise HTTPError(413, f"body of {len(body)} bytes exceeds {max_bytes}", "body")
-    try:
-        return msgspec.json.decode(body, type=GenerateBody)
-    except msgspec.ValidationError as exc:
-        raise HTTPError(400, str(exc), _msgspec_field(str(exc))) from None
-    except msgspec.DecodeError as exc:
-        raise HTTPError(400, f"malformed JSON: {exc}", "body") from None
-
-
-def _msgspec_field(message: str) -> str:
-    at = _AT_PATH.search(message)
-    if at and at.group("path"):
-        return at.group("path")
-    named = _IN_BACKTICKS.search(message) or _LEADING_FIELD.match(message)
-    return named.group(named.lastgroup or 1) if named else "body"
-
-
-def value_error_field(exc: ValueError) -> str:
-    """The field a pd-cache ``ValueError`` names first (``input_ids[3]: ...``)."""
-    match = _LEADING_FIELD.match(str(exc))
-    return match.group("field") if match else "body"
-
-
-def completion_json(rid: str, out: Any) -> dict[str, Any]:
-    return {"rid": rid, "output_ids": out.output_ids, "num_prompt_tokens": out.num_prompt_tokens,
-            "cached_tokens": out.cached_tokens, "ttft_ms": round(out.ttft_s * 1e3, 3),
-            "latency_ms": round(out.latency_s * 1e3, 3)}
-
-
-@serve.deployment(num_replicas=1, max_ongoing_requests=64, ray_actor_options={"num_cpus": 0})
+@serve.deployment(num_replicas=1, max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
 class PDCacheIngress:
-    """Starts a ``PDCluster`` and serves it over HTTP; see the module docstring."""
+    """Starts (or attaches to) a ``PDCluster`` and serves it over HTTP."""
 
     def __init__(self, args: AppArgs) -> None:
         self.args = args.ingress
+        keys = args.ingress.api_keys_file or os.environ.get(KEYS_ENV)
+        self.tenants = Tenants.from_file(keys) if keys else None
+        if self.tenants is None:
+            log.warning("no API keys: serving in open mode (clients choose their namespace)")
         # NOTE: a named cluster's actors are detached: a restarted replica attaches to them.
         self.cluster = PDCluster.start(args.cluster, name=args.ingress.cluster_name)
+        self.model = args.cluster.model
+        self.tokenizer = ByteTokenizer(self.cluster.pd.model.vocab_size)
         self._rids = itertools.count()
+        self._pending = 0
 
     async def __call__(self, request: Any) -> Any:
-        from starlette.responses import Response
-
         try:
-            status, payload = await self._route(request)
+            return await self._route(request)
         except HTTPError as exc:
-            status, payload = exc.status, {"error": exc.error, "field": exc.field}
-        return Response(msgspec.json.encode(payload), status_code=status,
-                        media_type="application/json")
+            return _json(exc.status, exc.body(), exc.headers)
 
-    async def _route(self, request: Any) -> tuple[int, dict[str, Any]]:
+    async def _route(self, request: Any) -> Any:
         path, method = request.url.path.rstrip("/") or "/", request.method
-        if path == GENERATE_PATH:
-            _need_method(method, "POST")
-            return 200, await self.generate(await self._body(request))
-        if path == HEALTH_PATH:
-            _need_method(method, "GET")
-            return await self.health()
-        raise HTTPError(404, f"no route {path!r}; try POST {GENERATE_PATH} or GET {HEALTH_PATH}",
-                        None)
+        routes = {"/v1/completions": ("POST", self.completions),
+                  "/v1/chat/completions": ("POST", self.chat),
+                  "/v1/generate": ("POST", self.generate),
+                  "/v1/models": ("GET", self.models), "/healthz": ("GET", self.health)}
+        if path not in routes:
+            raise HTTPError(404, f"no route {path!r}; try one of {sorted(routes)}", None,
+                            "not_found")
+        allowed, handler = routes[path]
+        if method != allowed:
+            raise HTTPError(405, f"method {method} not allowed; use {allowed}", None)
+        return await handler(request)
 
-    async def _body(self, request: Any) -> bytes:
-        limit = self.args.max_body_bytes
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            raise HTTPError(413, f"body of {declared} bytes exceeds {limit}", "body")
-        return await request.body()
+    # -- the routes ------------------------------------------------------------------------
 
-    async def generate(self, raw: bytes) -> dict[str, Any]:
-        body = decode_body(raw, self.args.max_body_bytes)
-        if body.rid == "":
-            raise HTTPError(400, "rid: expected a non-empty str, got ''", "rid")
+    async def completions(self, request: Any) -> Any:
+        return await self._openai(request, chat=False)
+
+    async def chat(self, request: Any) -> Any:
+        return await self._openai(request, chat=True)
+
+    async def models(self, request: Any) -> Any:
+        self._tenant(request)
+        return _json(200, {"object": "list", "data": [{
+            "id": self.model, "object": "model", "created": 0, "owned_by": "pd-cache"}]})
+
+    async def health(self, request: Any) -> Any:
+        """200 once prefill and decode each have a live worker, else 503."""
+        state = await self.cluster.health(self.args.health_timeout_s)
+        body = {"status": "ok" if state["healthy"] else "unhealthy", "model": self.model,
+                "live": state["live"], "workers": state["workers"]}
+        return _json(200 if state["healthy"] else 503, body)
+
+    async def generate(self, request: Any) -> Any:
+        tenant = self._tenant(request)
+        body = decode_json(await read_body(request, self.args.max_body_bytes), GenerateBody)
+        check_rid(body.rid)
+        req, rid = self._request(tenant, body.input_ids, body.max_new_tokens,
+                                 SamplingParams(), body.cache_salt, body.extra_key, body.rid)
+        with self._admitted():
+            out = await self._complete(req)
+        cached = dict(out.cached_tokens) if tenant.admin else \
+            {"total": sum(out.cached_tokens.values())}
+        return _json(200, {"rid": rid, "output_ids": out.output_ids,
+                           "num_prompt_tokens": out.num_prompt_tokens, "cached_tokens": cached,
+                           "ttft_ms": round(out.ttft_s * 1e3, 3),
+                           "latency_ms": round(out.latency_s * 1e3, 3)})
+
+    async def _openai(self, request: Any, *, chat: bool) -> Any:
+        tenant = self._tenant(request)
+        kind = openai.ChatRequest if chat else openai.CompletionRequest
+        body = decode_json(await read_body(request, self.args.max_body_bytes), kind)
+        check_rid(body.rid)
+        if body.model != self.model:
+            raise HTTPError(404, f"model {body.model!r} is not served here; this server "
+                                 f"serves {self.model!r}", "model", "model_not_found")
+        ids = self._prompt_ids(body, chat)
+        sampling = self._sampling(body)
+        req, _ = self._request(tenant, ids, body.new_tokens, sampling, body.cache_salt,
+                               body.extra_key, body.rid)
+        rid = openai.request_id(chat)
+        if body.stream:
+            return self._sse(req, rid, chat, tenant.admin, body.include_usage)
+        with self._admitted():
+            out = await self._complete(req)
+        text = self.tokenizer.decode(out.output_ids)
+        return _json(200, openai.answer(rid, self.model, chat, text, out, tenant.admin))
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _tenant(self, request: Any) -> Tenant:
+        if self.tenants is None:
+            return OPEN
+        try:
+            return self.tenants.tenant(request.headers.get("authorization"))
+        except Unauthorized as exc:
+            raise HTTPError(401, str(exc), "authorization", "invalid_api_key") from None
+
+    def _prompt_ids(self, body: Any, chat: bool) -> list[int]:
+        try:
+            if chat:
+                return self.tokenizer.chat(body.messages)
+            return body.prompt if isinstance(body.prompt, list) else \
+                self.tokenizer.encode(body.prompt)
+        except ValueError as exc:
+            raise value_error(exc) from None
+
+    @staticmethod
+    def _sampling(body: Any) -> SamplingParams:
+        try:
+            return SamplingParams(temperature=body.temperature, seed=body.seed or 0)
+        except ValueError as exc:
+            raise HTTPError(400, str(exc), "temperature", "invalid_value") from None
+
+    def _request(self, tenant: Tenant, ids: list[int], max_new: int, sampling: SamplingParams,
+                 salt: str | None, extra_key: str | None, rid: str | None) -> tuple[Req, str]:
+        """The checked ``Req``; its namespace salt is the tenant's when keys are on."""
         n = next(self._rids)
-        rid = body.rid if body.rid is not None else f"http-{n}"
+        shown = rid if rid is not None else f"http-{n}"
+        if self.tenants is not None:
+            salt = self.tenants.cache_salt(tenant, salt)
         # NOTE: the cluster keys slots and locks by rid, so two clients reusing one rid
-        # must not collide: the internal rid is unique, the reply echoes the client's.
-        # NOTE: the deadline starts here, when the ingress has the request: Serve hands
-        # over no arrival time, so time spent in Serve's own queues is not counted.
-        fields = {"rid": f"{rid}#{n}", "input_ids": body.input_ids,
-                  "max_new_tokens": body.max_new_tokens, "cache_salt": body.cache_salt,
-                  "extra_key": body.extra_key,
+        # must not collide: the internal rid is unique, the reply echoes the client's. The
+        # deadline starts here, when the ingress has the request: Serve hands over no
+        # arrival time, so time spent in Serve's own queues is not counted.
+        fields = {"rid": f"{shown}#{n}", "input_ids": ids, "max_new_tokens": max_new,
+                  "sampling": sampling, "cache_salt": salt, "extra_key": extra_key,
                   "deadline": time.time() + self.args.request_timeout_s}
         try:
-            out = await asyncio.wait_for(self.cluster.generate_async(fields),
-                                         self.args.request_timeout_s)
+            return self.cluster.admit(fields), shown
         except ValueError as exc:
-            raise HTTPError(400, str(exc), value_error_field(exc)) from None
-        except (asyncio.TimeoutError, DeadlineExceeded):
-            raise HTTPError(503, f"no answer within {self.args.request_timeout_s} s",
-                            None) from None
-        except Exception as exc:  # noqa: BLE001  (a dead worker, a failed task)
-            log.warning("request %s failed: %s: %s", rid, type(exc).__name__, exc)
-            raise HTTPError(503, f"internal fault: {type(exc).__name__}", None) from None
-        return completion_json(rid, out)
+            raise value_error(exc) from None
 
-    async def health(self) -> tuple[int, dict[str, Any]]:
-        """200 once prefill and decode each have a live worker, else 503; with the live
-        workers by role."""
-        state = await self.cluster.health(self.args.health_timeout_s)
-        body = {"status": "ok" if state["healthy"] else "unhealthy",
-                "model": self.cluster.config.model, "live": state["live"],
-                "workers": state["workers"]}
-        return (200 if state["healthy"] else 503), body
+    def _admitted(self) -> Any:
+        """Hold one of ``max_pending`` places; 429 with ``Retry-After`` when none is free."""
+        if self._pending >= self.args.max_pending:
+            raise HTTPError(429, f"{self._pending} requests pending; retry shortly", None,
+                            "overloaded", {"Retry-After": "1"})
+        return _Place(self)
+
+    async def _complete(self, req: Req) -> Completion:
+        try:
+            return await asyncio.wait_for(self.cluster.generate_async(req),
+                                          self.args.request_timeout_s)
+        except ValueError as exc:
+            raise value_error(exc) from None
+        except Exception as exc:  # noqa: BLE001  (a dead worker, a deadline, a failed task)
+            raise _unavailable(req, exc) from None
+
+    def _sse(self, req: Req, rid: str, chat: bool, admin: bool, with_usage: bool) -> Any:
+        from starlette.responses import StreamingResponse
+
+        place = self._admitted()   # refused (429) before the stream starts, held until it ends
+        return StreamingResponse(self._events(req, rid, chat, admin, with_usage, place),
+                                 media_type="text/event-stream")
+
+    async def _events(self, req: Req, rid: str, chat: bool, admin: bool, with_usage: bool,
+                      place: _Place) -> AsyncIterator[str]:
+        chunks, text = openai.Chunks(rid, self.model, chat), StreamDecoder()
+        with place:
+            try:
+                async for item in self.cluster.stream(req):
+                    if isinstance(item, Completion):
+                        yield chunks.token(text.flush(), None, openai.finish_reason(item))
+                        if with_usage:
+                            yield chunks.usage(item, admin)
+                    else:
+                        yield chunks.token(text.feed(item), item)
+            except Exception as exc:  # noqa: BLE001 - the stream ends with an error event
+                yield openai.error_event(_unavailable(req, exc).body())
+            yield openai.DONE
 
     def __del__(self) -> None:
         # Serve calls this when the replica shuts down. An unnamed cluster's actors go with
@@ -229,9 +250,32 @@ class PDCacheIngress:
             cluster.shutdown(check=False)
 
 
-def _need_method(method: str, allowed: str) -> None:
-    if method != allowed:
-        raise HTTPError(405, f"method {method} not allowed; use {allowed}", None)
+class _Place:
+    """One admitted request: counted while held."""
+
+    def __init__(self, ingress: PDCacheIngress) -> None:
+        self.ingress = ingress
+        ingress._pending += 1
+        self._held = True
+
+    def __enter__(self) -> _Place:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._held:
+            self._held = False
+            self.ingress._pending -= 1
+
+
+def _unavailable(req: Req, exc: BaseException) -> HTTPError:
+    if isinstance(exc, ValueError):
+        return value_error(exc)
+    if isinstance(exc, (asyncio.TimeoutError, DeadlineExceeded)):
+        return HTTPError(503, "no answer before the request's deadline", None, "timeout")
+    if isinstance(exc, (NoLiveWorker, WorkerDied)):
+        return HTTPError(503, str(exc), None, "unavailable")
+    log.warning("request %s failed: %s: %s", req.rid, type(exc).__name__, exc)
+    return HTTPError(503, f"internal fault: {type(exc).__name__}", None, "internal")
 
 
 def app_builder(args: Mapping[str, Any] | None = None) -> Any:
@@ -241,5 +285,4 @@ def app_builder(args: Mapping[str, Any] | None = None) -> Any:
 
 app = app_builder
 
-__all__ = ["AppArgs", "GenerateBody", "HTTPError", "IngressConfig", "PDCacheIngress",
-           "app", "app_builder", "decode_body", "value_error_field"]
+__all__ = ["AppArgs", "GenerateBody", "IngressConfig", "PDCacheIngress", "app", "app_builder"]

@@ -14,7 +14,7 @@ import functools
 import os
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import ray
@@ -109,10 +109,20 @@ class DecodeActor(_Host):
                          storage_timeout_s, max_batch=max_batch)
 
     def decode(self, req: Req, info: PrefillInfo, page_refs: list[Any]) -> DecodeInfo:
+        *_, result = self.decode_stream(req, info, page_refs)
+        return result
+
+    @ray.method(num_returns="streaming")
+    def decode_stream(self, req: Req, info: PrefillInfo,
+                      page_refs: list[Any]) -> Iterator[int | DecodeInfo]:
+        """Each token after the first as it is drawn, then the ``DecodeInfo``."""
         req.check_deadline("handoff")
         start = time.perf_counter()
         pages = ray.get(page_refs[0])
-        return self.worker.decode(req, info, pages, time.perf_counter() - start)
+        yield from self.worker.decode_stream(req, info, pages, time.perf_counter() - start)
+
+    def cancel(self, rid: str) -> None:
+        self.worker.cancel(rid)
 
 
 @functools.cache

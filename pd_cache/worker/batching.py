@@ -14,14 +14,17 @@ Every engine call (``start_decode``, ``decode_step``, ``finish_decode``) runs on
 thread, so the engine stays single-threaded. A bad request fails alone: its caller gets
 the ``ValueError``, the others keep going. A request past its deadline is never started,
 and one that expires while decoding leaves the batch at the next step (its caller gets
-``DeadlineExceeded``; its KV buffer goes with it).
+``DeadlineExceeded``; its KV buffer goes with it). A caller may watch its tokens as they
+are drawn (``on_token``, called on the engine's thread) and ``cancel`` its request (a
+client that went away): it leaves the batch at the next step.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from concurrent.futures import Future
+from collections.abc import Callable
+from concurrent.futures import CancelledError, Future
 from typing import NamedTuple
 
 import torch
@@ -38,6 +41,10 @@ class _Job(NamedTuple):
     num_prompt_tokens: int
     first_token: int
     done: Future[list[int]]
+    on_token: Callable[[int], None] | None = None
+
+
+Active = list[tuple[DecodeSeq, _Job]]
 
 
 class DecodeBatcher:
@@ -49,6 +56,7 @@ class DecodeBatcher:
             raise ValueError(f"max_batch: expected an int >= 1, got {max_batch!r}")
         self.engine, self.max_batch = engine, max_batch
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._cancelled: set[str] = set()
         self._thread = threading.Thread(target=self._loop, name="pd-cache-decode",
                                         daemon=True)
         self._closed = False
@@ -61,12 +69,19 @@ class DecodeBatcher:
         return self.submit(req, pages, num_prompt_tokens, first_token).result()
 
     def submit(self, req: Req, pages: torch.Tensor, num_prompt_tokens: int,
-               first_token: int) -> Future[list[int]]:
+               first_token: int,
+               on_token: Callable[[int], None] | None = None) -> Future[list[int]]:
+        """Hand a request in; ``on_token(t)`` sees each token after the first as it is
+        drawn. The future holds every token, or the error that ended the request."""
         if self._closed:
             raise RuntimeError("DecodeBatcher: closed")
         done: Future[list[int]] = Future()
-        self._queue.put(_Job(req, pages, num_prompt_tokens, first_token, done))
+        self._queue.put(_Job(req, pages, num_prompt_tokens, first_token, done, on_token))
         return done
+
+    def cancel(self, rid: str) -> None:
+        """Drop request ``rid`` at the next step (its future gets ``CancelledError``)."""
+        self._cancelled.add(rid)
 
     def close(self) -> None:
         """Finish the requests already handed in, then stop the thread."""
@@ -78,7 +93,7 @@ class DecodeBatcher:
     # -- the engine's thread ---------------------------------------------------------------
 
     def _loop(self) -> None:
-        active: list[tuple[DecodeSeq, Future[list[int]]]] = []
+        active: Active = []
         stopping = False
         while active or not stopping:
             stopping = self._start_waiting(active, block=not active) or stopping
@@ -87,19 +102,21 @@ class DecodeBatcher:
             try:
                 self.engine.decode_step([seq for seq, _ in active])
             except Exception as e:  # noqa: BLE001 - fail the batch, keep serving
-                for _, done in active:
-                    done.set_exception(e)
+                for _, job in active:
+                    job.done.set_exception(e)
                 active.clear()
                 continue
-            active[:] = [(s, d) for s, d in active
-                         if not self._finish(s, d) and not self._expired(s.req, d)]
+            for seq, job in active:
+                if job.on_token is not None:
+                    job.on_token(seq.tokens[-1])
+            active[:] = [(s, j) for s, j in active if not self._finish(s, j) and not
+                         self._dropped(j)]
         while not self._queue.empty():   # handed in after close: never started
             job = self._queue.get()
             if job is not None:
                 job.done.set_exception(RuntimeError("DecodeBatcher: closed"))
 
-    def _start_waiting(self, active: list[tuple[DecodeSeq, Future[list[int]]]], *,
-               block: bool) -> bool:
+    def _start_waiting(self, active: Active, *, block: bool) -> bool:
         """Start the jobs waiting, up to the batch size; ``True`` once ``close`` was seen."""
         while len(active) < self.max_batch:
             try:
@@ -109,7 +126,7 @@ class DecodeBatcher:
             if job is None:
                 return True
             block = False
-            if self._expired(job.req, job.done):
+            if self._dropped(job):
                 continue
             try:
                 seq = self.engine.start_decode(job.req, job.pages, job.num_prompt_tokens,
@@ -117,25 +134,32 @@ class DecodeBatcher:
             except Exception as e:  # noqa: BLE001 - the caller gets it
                 job.done.set_exception(e)
                 continue
-            if not self._finish(seq, job.done):
-                active.append((seq, job.done))
+            if not self._finish(seq, job):
+                active.append((seq, job))
         return False
 
-    def _expired(self, req: Req, done: Future[list[int]]) -> bool:
-        """Drop ``req`` if it is past its deadline (its caller gets ``DeadlineExceeded``)."""
+    def _dropped(self, job: _Job) -> bool:
+        """Drop a request past its deadline (``DeadlineExceeded``) or cancelled."""
+        rid = job.req.rid
+        if rid in self._cancelled:
+            self._cancelled.discard(rid)
+            self.engine.stats.count(DEADLINE, "cancelled")
+            job.done.set_exception(CancelledError(f"request {rid}: cancelled"))
+            return True
         try:
-            req.check_deadline("decode")
+            job.req.check_deadline("decode")
         except DeadlineExceeded as e:
             self.engine.stats.count(DEADLINE, "dropped")
-            done.set_exception(e)
+            job.done.set_exception(e)
             return True
         return False
 
-    def _finish(self, seq: DecodeSeq, done: Future[list[int]]) -> bool:
+    def _finish(self, seq: DecodeSeq, job: _Job) -> bool:
         if not seq.done:
             return False
         try:
-            done.set_result(self.engine.finish_decode(seq))
+            job.done.set_result(self.engine.finish_decode(seq))
         except Exception as e:  # noqa: BLE001
-            done.set_exception(e)
+            job.done.set_exception(e)
+        self._cancelled.discard(job.req.rid)
         return True

@@ -17,8 +17,10 @@ with its request's; a page that fails is refused, recomputed and counted
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -137,16 +139,23 @@ class DecodeWorker(_Worker):
     role = "decode"
 
     def __init__(self, config: PDCacheConfig, *, max_batch: int = 1, **kwargs: Any) -> None:
-        """``max_batch > 1``: concurrent ``decode`` calls share batched forward steps
-        (``DecodeBatcher``); ``1``: each call decodes alone on the caller's thread."""
+        """Concurrent ``decode`` calls share batched forward steps (``DecodeBatcher``), up to
+        ``max_batch`` requests per step (1: one request at a time)."""
         super().__init__(config, **kwargs)
-        self.batcher = DecodeBatcher(self.engine, max_batch=max_batch) if max_batch > 1 \
-            else None
+        self.batcher = DecodeBatcher(self.engine, max_batch=max_batch)
         self._record_lock = threading.Lock()
 
     def decode(self, req: Req, info: PrefillInfo, kv_pages: torch.Tensor,
                handoff_s: float = 0.0) -> DecodeInfo:
-        """Raises ``ValueError`` if the pages or ``info`` do not fit the request."""
+        """Every token at once. Raises ``ValueError`` if the pages or ``info`` do not fit the
+        request, ``DeadlineExceeded`` past its deadline."""
+        *_, result = self.decode_stream(req, info, kv_pages, handoff_s)
+        return result
+
+    def decode_stream(self, req: Req, info: PrefillInfo, kv_pages: torch.Tensor,
+                      handoff_s: float = 0.0) -> Iterator[int | DecodeInfo]:
+        """Each token after the first as it is drawn, then the ``DecodeInfo`` (whose
+        ``output_ids`` has them all, the first included). Errors as ``decode``."""
         if info.rid != req.rid:
             raise ValueError(f"info.rid: {info.rid!r} does not match request {req.rid!r}")
         # NOTE: received pages may be a read-only view of shared memory. The engine never
@@ -155,14 +164,23 @@ class DecodeWorker(_Worker):
         received, first, refused = kv_pages, info.first_token, self._audit(req, info)
         if refused:
             kv_pages, first = self.engine.compute_prompt(req)
-        run = self.engine.decode if self.batcher is None else self.batcher.decode
-        tokens = run(req, kv_pages, info.num_prompt_tokens, first)
-        seconds = time.perf_counter() - start
+        drawn: queue.SimpleQueue[int] = queue.SimpleQueue()
+        done = self.batcher.submit(req, kv_pages, info.num_prompt_tokens, first, drawn.put)
+        while not done.done() or not drawn.empty():
+            try:
+                yield drawn.get(timeout=0.05)
+            except queue.Empty:
+                continue
+        tokens = done.result()
         result = DecodeInfo(req.rid, self.worker_id, tokens, int(received.shape[0]), refused,
-                            handoff_s, seconds)
+                            handoff_s, time.perf_counter() - start)
         with self._record_lock:   # calls may run on several threads; metrics deltas may not
             self._record(req, result, kv_pages)
-        return result
+        yield result
+
+    def cancel(self, rid: str) -> None:
+        """Stop decoding request ``rid`` (its client went away)."""
+        self.batcher.cancel(rid)
 
     def _audit(self, req: Req, info: PrefillInfo) -> int:
         """Pages handed off for another namespace than ``req``'s (all of them, or 0)."""
@@ -175,8 +193,7 @@ class DecodeWorker(_Worker):
         return info.num_kv_pages
 
     def close(self) -> None:
-        if self.batcher is not None:
-            self.batcher.close()
+        self.batcher.close()
         super().close()
 
     def page_names(self, req: Req) -> list[bytes]:

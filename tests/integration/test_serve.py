@@ -79,11 +79,11 @@ def model() -> Model:
     return Model(MODEL)
 
 
-def call(url: str, body: Any = None, *, raw: bytes | None = None,
-         method: str | None = None) -> tuple[int, dict[str, Any]]:
+def call(url: str, body: Any = None, *, raw: bytes | None = None, method: str | None = None,
+         content_type: str = "application/json") -> tuple[int, dict[str, Any]]:
     data = raw if raw is not None else None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(url, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": content_type})
     try:
         with urllib.request.urlopen(request, timeout=60) as resp:
             return resp.status, json.loads(resp.read())
@@ -198,21 +198,48 @@ def test_bad_request_is_400_naming_the_field(server: Server, what: str, body: An
     raw = body if isinstance(body, bytes) else None
     status, answer = call(server.url + "/v1/generate", None if raw else body, raw=raw)
     assert status == 400, (what, answer)
-    assert answer["field"] == field, (what, answer)
-    assert answer["error"], what
+    assert answer["error"]["param"] == field, (what, answer)
+    assert answer["error"]["message"] and answer["error"]["type"] == "invalid_request_error"
 
 
 def test_oversized_body_is_413(server: Server) -> None:
     ids = [1] * (ARGS["max_body_bytes"] // 2)  # "1, " per token: over the limit
     status, answer = call(server.url + "/v1/generate", {"input_ids": ids})
-    assert (status, answer["field"]) == (413, "body"), answer
-    assert str(ARGS["max_body_bytes"]) in answer["error"]
+    assert (status, answer["error"]["param"]) == (413, "body"), answer
+    assert str(ARGS["max_body_bytes"]) in answer["error"]["message"]
+
+
+def test_a_chunked_body_is_cut_off_as_it_streams_in(server: Server) -> None:
+    # No Content-Length: the body arrives in chunks and is refused once past the limit.
+    def chunks() -> Any:
+        yield b'{"input_ids": ['
+        for _ in range(ARGS["max_body_bytes"] // 1000 + 2):
+            yield b"1, " * 333
+        yield b"1]}"
+
+    request = urllib.request.Request(server.url + "/v1/generate", data=chunks(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        urllib.request.urlopen(request, timeout=60)
+        raise AssertionError("accepted")
+    except urllib.error.HTTPError as err:
+        assert err.code == 413 and json.loads(err.read())["error"]["code"] == "too_large"
+
+
+def test_only_json_bodies_and_plain_rids(server: Server) -> None:
+    status, answer = call(server.url + "/v1/generate", raw=b'{"input_ids": [1]}',
+                          content_type="text/plain")
+    assert status == 415, answer
+    status, answer = call(server.url + "/v1/generate", {**GOOD, "rid": "x" * 65})
+    assert (status, answer["error"]["param"]) == (400, "rid")
+    status, answer = call(server.url + "/v1/generate", {**GOOD, "rid": "a\nb"})
+    assert (status, answer["error"]["param"]) == (400, "rid")
 
 
 def test_unknown_route_and_wrong_method(server: Server) -> None:
     assert call(server.url + "/v1/nothing")[0] == 404
     status, answer = call(server.url + "/v1/generate", method="GET")
-    assert status == 405 and "POST" in answer["error"]
+    assert status == 405 and "POST" in answer["error"]["message"]
 
 
 def test_skipped_manifest_schema_check_now_runs() -> None:

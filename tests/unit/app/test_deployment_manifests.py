@@ -212,3 +212,18 @@ def test_dashboard_structure():
         assert set(panel["gridPos"]) == {"h", "w", "x", "y"}
         refs = [t["refId"] for t in panel["targets"]]
         assert len(refs) == len(set(refs)), panel["title"]
+
+
+def test_every_pod_mounts_the_api_key_secret_and_points_pd_cache_at_it():
+    service = yaml.safe_load((K8S / "rayservice.yaml").read_text())
+    cluster = service["spec"]["rayClusterConfig"]
+    pods = [cluster["headGroupSpec"]["template"]["spec"]] + \
+        [g["template"]["spec"] for g in cluster["workerGroupSpecs"]]
+    for pod in pods:
+        secrets = {v["name"]: v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
+        assert secrets == {"api-keys": "pd-cache-api-keys"}
+        (container,) = pod["containers"]
+        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["PD_CACHE_API_KEYS_FILE"].startswith(mounts["api-keys"] + "/")
+        assert env["PD_CACHE_SECRET_FILE"].startswith(mounts["api-keys"] + "/")

@@ -1,0 +1,143 @@
+"""The OpenAI-compatible API: request bodies, answers and stream chunks.
+
+``POST /v1/completions`` (``prompt``: text or token ids) and ``POST /v1/chat/completions``
+(``messages`` through the model's chat template) take ``model``, ``max_tokens`` (16),
+``temperature``, ``seed``, ``stream``, ``stream_options.include_usage`` and ``user``, plus
+the extensions ``extra_key`` (the adapter namespace, as in SGLang) and ``cache_salt`` (as in
+vLLM; with API keys it only subdivides the caller's tenant). Fields OpenAI clients send that
+do not apply here are ignored. Answers carry the generated token ids (``token_ids``, an
+extension) and ``usage.prompt_tokens_details.cached_tokens``; admin keys also get
+``pd_cache`` (cached tokens by tier, server timings, workers).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import time
+from typing import Any
+
+import msgspec
+
+from pd_cache.core.wire import Completion
+
+_ids = itertools.count()
+_PREFIX = os.urandom(4).hex()
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class _Common(msgspec.Struct, kw_only=True):
+    model: str
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float = 0.0
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    extra_key: str | None = None
+    cache_salt: str | None = None
+    rid: str | None = None
+
+    @property
+    def new_tokens(self) -> int:
+        chosen = self.max_completion_tokens if self.max_tokens is None else self.max_tokens
+        return 16 if chosen is None else chosen
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_Common, kw_only=True):
+    prompt: str | list[int]
+
+
+class ChatRequest(_Common, kw_only=True):
+    messages: list[dict[str, Any]]
+
+
+def request_id(chat: bool) -> str:
+    return f"{'chatcmpl' if chat else 'cmpl'}-{_PREFIX}{next(_ids):08x}"
+
+
+def usage(out: Completion) -> dict[str, Any]:
+    cached = sum(out.cached_tokens.values())
+    completion = len(out.output_ids)
+    return {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": completion,
+            "total_tokens": out.num_prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def details(out: Completion) -> dict[str, Any]:
+    """What only admin keys see: cached tokens by tier, timings, the workers used."""
+    return {"cached_tokens": dict(out.cached_tokens), "ttft_ms": round(out.ttft_s * 1e3, 3),
+            "latency_ms": round(out.latency_s * 1e3, 3), "prefill_worker": out.prefill_worker,
+            "decode_worker": out.decode_worker, "attempts": out.attempts}
+
+
+def answer(rid: str, model: str, chat: bool, text: str, out: Completion,
+           admin: bool) -> dict[str, Any]:
+    """The whole answer of a request that did not stream."""
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason(out),
+                              "token_ids": list(out.output_ids)}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    body = {"id": rid, "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": model, "choices": [choice],
+            "usage": usage(out)}
+    if admin:
+        body["pd_cache"] = details(out)
+    return body
+
+
+def finish_reason(out: Completion) -> str:
+    # NOTE: the built-in models have no stop token: every answer runs to max_tokens.
+    return "length"
+
+
+class Chunks:
+    """Server-Sent Events of one streamed answer: a chunk per token, ``data: [DONE]``."""
+
+    def __init__(self, rid: str, model: str, chat: bool) -> None:
+        self.rid, self.model, self.chat = rid, model, chat
+        self.created = int(time.time())
+        self.object = "chat.completion.chunk" if chat else "text_completion"
+        self._first = True
+
+    def token(self, text: str, token: int | None, finish: str | None = None) -> str:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish,
+                                  "token_ids": [] if token is None else [token]}
+        if self.chat:
+            delta: dict[str, Any] = {"content": text}
+            if self._first:
+                delta["role"] = "assistant"
+            choice["delta"] = delta
+        else:
+            choice["text"] = text
+        self._first = False
+        return self._event({"choices": [choice]})
+
+    def usage(self, out: Completion, admin: bool) -> str:
+        body: dict[str, Any] = {"choices": [], "usage": usage(out)}
+        if admin:
+            body["pd_cache"] = details(out)
+        return self._event(body)
+
+    def _event(self, body: dict[str, Any]) -> str:
+        full = {"id": self.rid, "object": self.object, "created": self.created,
+                "model": self.model, **body}
+        return f"data: {json.dumps(full, ensure_ascii=False)}\n\n"
+
+
+DONE = "data: [DONE]\n\n"
+
+
+def error_event(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body)}\n\n"

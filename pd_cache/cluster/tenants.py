@@ -1,0 +1,122 @@
+"""Tenants the server vouches for: API keys, and the namespace salt derived from them.
+
+The key file is a JSON object whose values are a tenant name or
+``{"tenant": name, "admin": true}``::
+
+    {"sk-a": "acme", "sk-ops": {"tenant": "ops", "admin": true}}
+
+With keys, every request needs ``Authorization: Bearer <key>``, and its ``cache_salt`` is
+the server's, never the client's::
+
+    cache_salt = hex(HMAC-SHA256(secret, utf8(tenant) || 0x00 || utf8(client_salt or "")))
+
+so a client's own ``cache_salt`` only subdivides its tenant. The secret lives in a file
+(``PD_CACHE_SECRET_FILE``, default beside the key file as ``<keys>.secret``), created 0600
+on first start, so a restart keeps every tenant's L3 pages reachable. Without a key file
+the server is open: the client's ``cache_salt`` is used as given, and the server serves
+loopback only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import secrets
+from pathlib import Path
+from typing import NamedTuple
+
+KEYS_ENV = "PD_CACHE_API_KEYS_FILE"
+SECRET_ENV = "PD_CACHE_SECRET_FILE"
+
+
+class Tenant(NamedTuple):
+    name: str
+    admin: bool = False
+
+
+class Unauthorized(Exception):
+    """No key, or a key the server does not know (HTTP 401)."""
+
+
+class Tenants:
+    """API key -> tenant, and the secret that turns a tenant into its namespace salt."""
+
+    def __init__(self, keys: dict[str, Tenant], secret: bytes) -> None:
+        if len(secret) < 16:
+            raise ValueError("secret: expected at least 16 bytes")
+        # NOTE: look keys up by their digest so the table holds no key in clear.
+        self._by_digest = {_digest(k): t for k, t in keys.items()}
+        self._secret = secret
+
+    @classmethod
+    def from_file(cls, keys_file: str | os.PathLike[str],
+                  secret_file: str | os.PathLike[str] | None = None) -> Tenants:
+        """Read the key file; read (or create, 0600) the secret file."""
+        path = Path(keys_file)
+        keys = parse_keys(path)
+        secret_path = Path(secret_file or os.environ.get(SECRET_ENV)
+                           or path.with_name(path.name + ".secret"))
+        return cls(keys, read_or_create_secret(secret_path))
+
+    def tenant(self, authorization: str | None) -> Tenant:
+        """The tenant of an ``Authorization: Bearer <key>`` header; ``Unauthorized``."""
+        scheme, _, key = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
+        tenant = self._by_digest.get(_digest(key.strip()))
+        if tenant is None:
+            raise Unauthorized("unknown API key")
+        return tenant
+
+    def cache_salt(self, tenant: Tenant, client_salt: str | None) -> str:
+        """The namespace salt of ``tenant``, subdivided by the client's own salt."""
+        message = tenant.name.encode() + b"\x00" + (client_salt or "").encode()
+        return hmac.new(self._secret, message, hashlib.sha256).hexdigest()
+
+
+def parse_keys(path: Path) -> dict[str, Tenant]:
+    """The key file as ``{key: Tenant}``; ``ValueError`` naming what is wrong."""
+    try:
+        raw = json.loads(path.read_text())
+    except OSError as e:
+        raise ValueError(f"api_keys_file: cannot read {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"api_keys_file: {path} is not JSON: {e}") from None
+    if not isinstance(raw, dict) or not raw:
+        raise ValueError(f"api_keys_file: {path}: expected a non-empty JSON object")
+    return {key: _tenant(key, value) for key, value in raw.items()}
+
+
+def _tenant(key: str, value: object) -> Tenant:
+    if len(key) < 8:
+        raise ValueError(f"api_keys_file: key {key[:4]!r}...: keys are at least 8 characters")
+    if isinstance(value, str) and value:
+        return Tenant(value)
+    if isinstance(value, dict) and isinstance(value.get("tenant"), str) and value["tenant"] \
+            and isinstance(value.get("admin", False), bool) \
+            and set(value) <= {"tenant", "admin"}:
+        return Tenant(value["tenant"], value.get("admin", False))
+    raise ValueError(f"api_keys_file: key {key[:4]!r}...: expected a tenant name or "
+                     f"{{\"tenant\": name, \"admin\": bool}}, got {value!r}")
+
+
+def read_or_create_secret(path: Path) -> bytes:
+    """The secret in ``path``; a new random one, written 0600, if the file is absent."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        text = path.read_text().strip()
+        try:
+            return bytes.fromhex(text)
+        except ValueError:
+            raise ValueError(f"secret file {path}: expected hex") from None
+    secret = secrets.token_bytes(32)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret.hex() + "\n")
+    return secret
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()

@@ -1,0 +1,181 @@
+"""The OpenAI-compatible front driven by the real ``openai`` client, with API keys: two
+tenants, an admin key, streaming and not, usage with cached tokens, errors in OpenAI's
+shape, backpressure. Real HTTP on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pd_cache import ModelConfig, Req, reference_generate
+from pd_cache.core.tokenizer import ByteTokenizer
+from pd_cache.worker.model import Model
+
+openai = pytest.importorskip("openai")
+serve = pytest.importorskip("ray.serve")
+ray = pytest.importorskip("ray")
+
+from pd_cache.cluster.serve import app_builder  # noqa: E402  (needs ray[serve])
+
+APP = "pd-cache-openai"
+MODEL = ModelConfig.preset("tiny")
+KEYS = {"sk-acme-0001": "acme", "sk-zeta-0002": "zeta",
+        "sk-ops-00003": {"tenant": "ops", "admin": True}}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def url(ray_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    keys = tmp_path_factory.mktemp("keys") / "keys.json"
+    keys.write_text(json.dumps(KEYS))
+    args = {"model": "tiny", "page_size": 4, "num_prefill": 1, "num_decode": 1,
+            "num_storage": 1, "device_pages": 64, "host_pages": 128, "cluster_name": None,
+            "api_keys_file": str(keys), "max_pending": 3}
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        serve.run(app_builder(args), name=APP, route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.delete(APP)
+        serve.shutdown()
+    secret = Path(str(keys) + ".secret")
+    assert secret.stat().st_mode & 0o777 == 0o600    # created private on first start
+
+
+def client(url: str, key: str) -> Any:
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def model() -> Model:
+    return Model(MODEL)
+
+
+def reference(model: Model, ids: list[int], n: int) -> list[int]:
+    return reference_generate(model, Req(rid="ref", input_ids=ids, max_new_tokens=n)).output_ids
+
+
+TOK = ByteTokenizer(MODEL.vocab_size)
+PROMPT = "The quick brown fox jumps over the lazy dog, " * 2
+
+
+def test_completion_equals_the_model_and_reports_the_tenants_own_reuse(url: str,
+                                                                     model: Model) -> None:
+    acme, zeta = client(url, "sk-acme-0001"), client(url, "sk-zeta-0002")
+    first = acme.completions.create(model="tiny", prompt=PROMPT, max_tokens=6)
+    want = reference(model, TOK.encode(PROMPT), 6)
+    assert first.choices[0].model_extra["token_ids"] == want
+    assert first.choices[0].text == TOK.decode(want)
+    assert first.usage.prompt_tokens == len(TOK.encode(PROMPT))
+    assert first.usage.completion_tokens == 6
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    other = zeta.completions.create(model="tiny", prompt=PROMPT, max_tokens=6)
+    assert other.usage.prompt_tokens_details.cached_tokens == 0   # another tenant: nothing
+    again = acme.completions.create(model="tiny", prompt=PROMPT, max_tokens=6)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    assert again.choices[0].model_extra["token_ids"] == want
+    assert "pd_cache" not in again.model_extra                   # per-tier details: admin only
+    # a client salt only subdivides its tenant: acme's "zeta" salt is not zeta's namespace
+    salted = acme.completions.create(model="tiny", prompt=PROMPT, max_tokens=6,
+                                     extra_body={"cache_salt": "zeta"})
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_token_id_prompts_streaming_and_usage_chunks(url: str, model: Model) -> None:
+    ops = client(url, "sk-ops-00003")
+    ids = TOK.encode("stream me, please")
+    chunks = list(ops.completions.create(model="tiny", prompt=ids, max_tokens=8, stream=True,
+                                         stream_options={"include_usage": True}))
+    tokens = [t for c in chunks if c.choices for t in c.choices[0].model_extra["token_ids"]]
+    assert tokens == reference(model, ids, 8)
+    assert len([c for c in chunks if c.choices and c.choices[0].model_extra["token_ids"]]) == 8
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == 8 and not chunks[-1].choices
+    assert chunks[-1].model_extra["pd_cache"]["cached_tokens"].keys() == {"device", "host",
+                                                                          "storage"}
+
+
+def test_chat_streaming_and_not_match_the_template(url: str, model: Model) -> None:
+    ops = client(url, "sk-ops-00003")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    want = reference(model, TOK.chat(messages), 5)
+    whole = ops.chat.completions.create(model="tiny", messages=messages, max_tokens=5)
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].message.content == TOK.decode(want)
+    assert whole.model_extra["pd_cache"]["attempts"] == 1
+    parts = list(ops.chat.completions.create(model="tiny", messages=messages, max_tokens=5,
+                                             stream=True))
+    assert parts[0].choices[0].delta.role == "assistant"
+    assert "".join(p.choices[0].delta.content or "" for p in parts) == TOK.decode(want)
+    assert [m.id for m in ops.models.list().data] == ["tiny"]
+
+
+def test_errors_are_in_openai_shape(url: str) -> None:
+    with pytest.raises(openai.AuthenticationError):
+        client(url, "sk-not-a-key").completions.create(model="tiny", prompt="x", max_tokens=1)
+    acme = client(url, "sk-acme-0001")
+    with pytest.raises(openai.NotFoundError) as err:
+        acme.completions.create(model="gpt-4", prompt="x", max_tokens=1)
+    assert err.value.body["param"] == "model" and err.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as err:
+        acme.completions.create(model="tiny", prompt=[1, 2, 10**6], max_tokens=1)
+    assert err.value.body["param"] == "input_ids[2]"
+    with pytest.raises(openai.BadRequestError):
+        acme.completions.create(model="tiny", prompt="", max_tokens=1)
+    status, body = raw(url + "/v1/completions", b'{"model": "tiny", "prompt": "x"}',
+                       {"Authorization": "Bearer sk-acme-0001", "Content-Type": "text/plain"})
+    assert status == 415 and body["error"]["type"] == "invalid_request_error"
+    status, body = raw(url + "/v1/completions", b"{}", {"Content-Type": "application/json"})
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"
+
+
+def test_beyond_max_pending_is_429_with_retry_after(url: str) -> None:
+    acme = client(url, "sk-acme-0001")
+    streams = [acme.completions.create(model="tiny", prompt=f"hold {i}", max_tokens=200,
+                                       stream=True) for i in range(3)]
+    try:
+        status, body = raw(url + "/v1/completions", json.dumps(
+            {"model": "tiny", "prompt": "one more", "max_tokens": 1}).encode(),
+            {"Authorization": "Bearer sk-acme-0001", "Content-Type": "application/json"},
+            want_headers=True)
+        headers = {k.lower(): v for k, v in body[1].items()}
+        assert status == 429 and headers.get("retry-after") == "1", body
+    finally:
+        for s in streams:
+            s.close()   # the client goes away: its decode is cancelled
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            acme.completions.create(model="tiny", prompt="after", max_tokens=1)
+            return
+        except openai.RateLimitError:
+            time.sleep(0.2)
+    raise AssertionError("places were not given back after the streams closed")
+
+
+def raw(url: str, data: bytes, headers: dict[str, str],
+        want_headers: bool = False) -> tuple[int, Any]:
+    request = urllib.request.Request(url, data=data, headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            body = json.loads(resp.read())
+            return resp.status, (body, dict(resp.headers)) if want_headers else body
+    except urllib.error.HTTPError as err:
+        body = json.loads(err.read())
+        return err.code, (body, dict(err.headers)) if want_headers else body
+
+
