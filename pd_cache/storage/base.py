@@ -144,11 +144,14 @@ class StorageBackend(ABC):
       are not page names of the store's algo, pages and keys of different lengths, an
       unknown pool name, a payload whose shape or dtype disagrees with its header.
     - A record is returned only after it verified against what was asked for: its key,
-      its expected prior (when ``extra_info`` gives a chain), the store's layout
-      fingerprint, ``name == H(prior || tokens)``, payload shapes, dtypes and checksums.
+      its expected prior (when ``extra_info`` gives a chain), the record version, the
+      store's layout fingerprint and hash algo, payload shapes, dtypes and checksums.
       A record that fails is deleted, counted (``verification_failed``) and is a miss.
-    - A record set under a key it does not verify for, or that breaks the chain given by
-      ``extra_info``, is refused (``False``, counted as ``refused``), not raised.
+      A store has no token ids (records keep none): the request's reader checks
+      ``name == H(prior || its own tokens)`` before it uses a page.
+    - A record set under a key it does not verify for (the same checks), or that breaks
+      the chain given by ``extra_info``, is refused (``False``, counted as ``refused``),
+      not raised.
     - Stores are bounded in bytes. Full, they evict chain tails first: a page is not
       evicted while a page after it in its chain (same pool) is kept, and the least
       recently used chain goes first; a new page that would be a chain's tail past the

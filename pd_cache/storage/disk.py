@@ -14,10 +14,14 @@ File format (little-endian)::
 A record is written to ``<file>.tmp``, fsynced, renamed over ``<file>`` and the directory
 fsynced, so a file under its final name is whole once ``batch_set`` acknowledged it. At
 start the index is rebuilt from the headers (leftover ``.tmp`` files, files that do not
-parse or whose size disagrees with their header are deleted); recency is file mtime,
-refreshed on every hit, and each page hangs again from its stored prior (the links a shard
-made across pages held elsewhere are not kept). Payload checksums are verified on every
-read.
+parse, of another record version, or whose size disagrees with their header are deleted);
+recency is file mtime, refreshed on every hit, and each page hangs again from its stored
+prior (the links a shard made across pages held elsewhere are not kept). Payload checksums
+are verified on every read.
+
+Files are private to the service's user whatever the umask: directories 0700, record
+files (temporary ones included) 0600. A tree left wider by an older version is tightened
+at start.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import stat
 import struct
 from pathlib import Path
 
@@ -52,10 +57,15 @@ FRAME = struct.Struct("<4sIQ")
 ALIGN = 64
 SUFFIX = ".rec"
 TMP = ".tmp"
+DIR_MODE, FILE_MODE = 0o700, 0o600
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)   # never write a record through a planted symlink
 
 
 class DiskBackend(LocalBackend):
-    """Records as files in a directory, bounded in bytes (tails first), recovered at start."""
+    """Records as files in a directory, bounded in bytes (tails first), recovered at start.
+
+    ``path`` is the store's own directory: it and everything under it are made private.
+    """
 
     def __init__(self, path: str | os.PathLike[str], layout: KVLayout, capacity_bytes: int, *,
                  algo: str = "xxh3_128", fsync: bool = True) -> None:
@@ -63,9 +73,11 @@ class DiskBackend(LocalBackend):
         if not path:
             raise ValueError(f"path: expected a directory, got {path!r}")
         # NOTE: one subdirectory per layout, so two models sharing a path never collide.
-        self.root = Path(path) / layout.fingerprint[:16]
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.path = Path(path)
+        self.root = self.path / layout.fingerprint[:16]
+        _make_private_dirs(self.root)
         self.fsync = fsync
+        self._tightened = sum(_tighten(d, DIR_MODE) for d in (self.path, self.root))
         self._recover()
 
     @classmethod
@@ -94,7 +106,7 @@ class DiskBackend(LocalBackend):
 
     def _write(self, slot: Slot, record: PageRecord) -> None:
         path = self._path(slot)
-        path.parent.mkdir(exist_ok=True)
+        _make_private_dirs(path.parent)
         tmp = path.with_name(path.name + TMP)
         try:
             self._write_file(tmp, record)
@@ -108,7 +120,9 @@ class DiskBackend(LocalBackend):
     def _write_file(self, tmp: Path, record: PageRecord) -> None:
         header = encode_header(record.header)
         offsets, _ = _offsets(record.header, len(header))
-        with open(tmp, "wb") as f:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _NOFOLLOW, FILE_MODE)
+        with open(fd, "wb") as f:
+            os.fchmod(fd, FILE_MODE)  # the umask may have narrowed it; O_TRUNC kept an old one
             f.write(FRAME.pack(MAGIC, len(header), xxhash.xxh3_64_intdigest(header)))
             f.write(header)
             for offset, tensor in zip(offsets, record.payloads):
@@ -142,11 +156,15 @@ class DiskBackend(LocalBackend):
     # -- start-up -------------------------------------------------------------------------
     def _recover(self) -> None:
         found = []
+        self._tightened += sum(_tighten(d, DIR_MODE) for d in self.root.iterdir() if d.is_dir())
         for path in self.root.glob("*/*"):
             if path.name.endswith(TMP):  # a write that never completed
                 path.unlink(missing_ok=True)
             elif path.name.endswith(SUFFIX):
                 found.extend(self._scan_one(path))
+        if self._tightened:
+            log.warning("made %d directories and files under %s private to this user "
+                        "(0700 / 0600); they were open to others", self._tightened, self.path)
         for _, slot, header, size in sorted(found, key=lambda f: f[0]):
             self._index_add(slot, header, size)
         self._evict_until(self.capacity_bytes)
@@ -154,20 +172,49 @@ class DiskBackend(LocalBackend):
     def _scan_one(self, path: Path) -> list[tuple[float, Slot, RecordHeader, int]]:
         slot = self._slot_of(path)
         try:
-            stat = path.stat()
+            st = path.stat()
             framed = _read_header(path) if slot else None
         except OSError:
             framed = None
         problem = "unparsable" if framed is None or slot is None else (
             header_problem(framed[0], self.layout, self.algo, slot[1], pool=slot[0]))
-        if not problem and _offsets(*framed)[1] != stat.st_size:
-            problem = f"size {stat.st_size} disagrees with its header (torn write?)"
+        if not problem and _offsets(*framed)[1] != st.st_size:
+            problem = f"size {st.st_size} disagrees with its header (torn write?)"
         if problem:
             log.warning("dropping %s at start: %s", path, problem)
             path.unlink(missing_ok=True)
             self._stats.count(Event.VERIFICATION_FAILED)
             return []
-        return [(stat.st_mtime, slot, framed[0], stat.st_size)]
+        self._tightened += _tighten(path, FILE_MODE, st.st_mode)
+        return [(st.st_mtime, slot, framed[0], st.st_size)]
+
+
+def _make_private_dirs(path: Path) -> None:
+    """``path`` and its missing parents, each one created 0700 whatever the umask."""
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory, DIR_MODE)
+        except FileExistsError:
+            continue  # made meanwhile by another writer; tightened at its next start
+        os.chmod(directory, DIR_MODE)  # NOTE: mkdir's mode is filtered by the umask
+
+
+def _tighten(path: Path, mode: int, current: int | None = None) -> int:
+    """Set ``path``'s permissions to ``mode`` if they differ; 1 if they did."""
+    try:
+        if current is None:
+            current = path.stat().st_mode
+        if stat.S_IMODE(current) == mode:
+            return 0
+        os.chmod(path, mode)
+    except OSError as e:
+        log.warning("cannot make %s private (mode %o): %s", path, mode, e)
+        return 0
+    return 1
 
 
 def _offsets(header: RecordHeader, header_len: int) -> tuple[list[int], int]:

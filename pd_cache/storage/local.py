@@ -148,8 +148,8 @@ class LocalBackend(StorageBackend):
         if entry is None:
             return MissReason.EVICTED if slot in self._ghosts else MissReason.NOT_STORED
         if prior is not None and entry.header.prior != prior:
-            # NOTE: the record is fine (its name hashes from its own prior); the caller's
-            # chain does not lead to it, e.g. the keys of another namespace.
+            # NOTE: the record is fine (its writer hashed its name from this prior); the
+            # caller's chain does not lead to it, e.g. the keys of another namespace.
             self._stats.count(Event.REFUSED, MissReason.NAMESPACE_REFUSED)
             return MissReason.NAMESPACE_REFUSED
         return None

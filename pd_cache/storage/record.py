@@ -2,12 +2,14 @@
 
     record = RecordHeader (msgspec) + one payload tensor per pool, in ``header.pools`` order
 
-The header carries the page's identity (layout fingerprint, name, prior name, token ids,
-hash algo, and the namespace seed of the request that produced it) and, per pool, its dtype,
-shape and an xxh3-64 checksum of its bytes. A reader checks a record against what it asked
-for with :func:`verify` before using it; since ``name == H(prior || u32le(tokens))`` is
-recomputed there, a record filed under the wrong key (another namespace's page, another
-position in the chain) cannot pass; the seed lets a reader audit the namespace without
+The header carries the page's identity (layout fingerprint, name, prior name, hash algo,
+and the namespace seed of the request that produced it) and, per pool, its dtype, shape
+and an xxh3-64 checksum of its bytes. It never carries the page's token ids: L3 holds KV,
+never prompts in clear. The writer, which has the tokens, checks ``name == H(prior ||
+u32le(tokens))`` when it builds the record (:func:`make_record`); the reader, which has
+its own request's tokens, checks the name against them (:func:`verify` with ``tokens``),
+so a record filed under a name that is not its reader's page cannot pass. The tier, which
+has no tokens, checks everything else. The seed lets a reader audit the namespace without
 trusting the lookup that found the record.
 """
 
@@ -27,7 +29,7 @@ import xxhash
 from pd_cache.core.config import KVLayout
 from pd_cache.core.hashing import DIGEST_SIZES, page_hashes, token_buffer
 
-RECORD_VERSION = 2   # 2: the producer's namespace seed in the header
+RECORD_VERSION = 3   # 2: the producer's namespace seed; 3: no token ids
 KV_POOL = "kv"
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -52,7 +54,6 @@ class RecordHeader(msgspec.Struct, frozen=True, gc=False):
     algo: str
     name: bytes
     prior: bytes
-    tokens: tuple[int, ...]
     pools: tuple[PoolEntry, ...]
     seed: bytes = b""   # namespace seed of the producing request; readers compare their own
 
@@ -126,9 +127,11 @@ def make_record(name: bytes, prior: bytes, tokens: Any, pools: Mapping[str, torc
                 fingerprint: str, algo: str = "xxh3_128", seed: bytes = b"") -> PageRecord:
     """Build the record of one page; checksums are computed here, from the payloads.
 
-    ``seed`` is the namespace seed of the request that produced the page (a reader
-    refuses a record whose seed is not its own request's). Payloads are referenced, not
-    copied: do not modify them before they are stored.
+    ``tokens`` are the page's token ids: ``name`` must be ``H(prior || u32le(tokens))``
+    (a ``ValueError`` naming it otherwise), and they are not stored. ``seed`` is the
+    namespace seed of the request that produced the page (a reader refuses a record whose
+    seed is not its own request's). Payloads are referenced, not copied: do not modify them
+    before they are stored.
     """
     size = DIGEST_SIZES.get(algo)
     if size is None:
@@ -136,9 +139,12 @@ def make_record(name: bytes, prior: bytes, tokens: Any, pools: Mapping[str, torc
     for field, value in (("name", name), ("prior", prior)):
         if not isinstance(value, bytes) or len(value) != size:
             raise ValueError(f"{field}: expected {size} bytes of {algo}, got {value!r}")
-    token_ids = tuple(int(t) for t in token_buffer(tokens))
-    if not token_ids:
+    buf = token_buffer(tokens)
+    if not len(buf):
         raise ValueError("tokens: a page has at least one token")
+    if page_hashes(buf, len(buf), prior=prior, algo=algo) != [name]:
+        raise ValueError(f"name: {name.hex()} is not H(prior || tokens) for prior "
+                         f"{prior.hex()} and these {len(buf)} tokens")
     if not pools:
         raise ValueError("pools: a record has at least one payload")
     entries, payloads = [], []
@@ -149,8 +155,7 @@ def make_record(name: bytes, prior: bytes, tokens: Any, pools: Mapping[str, torc
         payloads.append(tensor)
     if not isinstance(seed, bytes):
         raise ValueError(f"seed: expected bytes, got {type(seed).__name__}")
-    header = RecordHeader(RECORD_VERSION, fingerprint, algo, name, prior, token_ids,
-                          tuple(entries), seed)
+    header = RecordHeader(RECORD_VERSION, fingerprint, algo, name, prior, tuple(entries), seed)
     return PageRecord(header, tuple(payloads))
 
 
@@ -187,19 +192,21 @@ def payload_problem(record: PageRecord) -> str | None:
 
 
 def verify(record: PageRecord, layout: KVLayout, algo: str, *, name: bytes,
-           prior: bytes | None = None, pool: str | None = None) -> str | None:
+           prior: bytes | None = None, pool: str | None = None,
+           tokens: Any = None) -> str | None:
     """Why ``record`` is not the page ``name`` of ``layout`` (``None`` when it is).
 
     Checks, cheapest first: version, fingerprint, algo, name, expected ``prior`` (when
     known), the requested ``pool``, the ``kv`` pool against the layout, payloads against
-    the header, ``name == H(prior || tokens)``, then every payload checksum.
+    the header, with ``tokens`` (the reader's own page) ``name == H(prior || tokens)``,
+    then every payload checksum. Without ``tokens`` (a tier: it has none) the name is
+    only compared with the one asked for.
     """
     h = record.header
-    problem = header_problem(h, layout, algo, name, prior, pool) or payload_problem(record)
+    problem = (header_problem(h, layout, algo, name, prior, pool) or payload_problem(record)
+               or (None if tokens is None else tokens_problem(h, layout, tokens)))
     if problem:
         return problem
-    if page_hashes(list(h.tokens), len(h.tokens), prior=h.prior, algo=h.algo) != [name]:
-        return "name is not H(prior || tokens)"
     for entry, tensor in zip(h.pools, record.payloads):
         if checksum(tensor) != entry.checksum:
             return f"pool {entry.name!r}: checksum mismatch"
@@ -213,18 +220,30 @@ def header_problem(h: RecordHeader, layout: KVLayout, algo: str, name: bytes,
         return f"record version {h.version}, expected {RECORD_VERSION}"
     if h.fingerprint != layout.fingerprint:
         return f"layout fingerprint {h.fingerprint}, expected {layout.fingerprint}"
-    if h.algo != algo or len(h.prior) != DIGEST_SIZES[algo]:
+    size = DIGEST_SIZES.get(h.algo)
+    if h.algo != algo or len(h.prior) != size or len(h.name) != size:
         return f"algo {h.algo!r}, expected {algo!r}"
     if h.name != name:
         return f"record names {h.name.hex()}, asked for {name.hex()}"
     if prior is not None and h.prior != prior:
         return f"prior {h.prior.hex()}, expected {prior.hex()}"
-    if len(h.tokens) != layout.page_size or not all(0 <= t < 2**32 for t in h.tokens):
-        return f"{len(h.tokens)} token ids, expected {layout.page_size} in [0, 2**32)"
     names = [e.name for e in h.pools]
     if pool is not None and pool not in names:
         return f"pool {pool!r} not in record (has {names})"
     return _kv_problem(h, layout)
+
+
+def tokens_problem(h: RecordHeader, layout: KVLayout, tokens: Any) -> str | None:
+    """Why ``h`` does not name the page of ``tokens`` (the reader's own), if it does not."""
+    try:
+        buf = token_buffer(tokens)
+    except ValueError as e:
+        return f"reader's {e}"
+    if len(buf) != layout.page_size:
+        return f"{len(buf)} token ids, expected {layout.page_size}"
+    if page_hashes(buf, len(buf), prior=h.prior, algo=h.algo) != [h.name]:
+        return "name is not H(prior || tokens) for the reader's tokens"
+    return None
 
 
 def _kv_problem(h: RecordHeader, layout: KVLayout) -> str | None:

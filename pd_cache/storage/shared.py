@@ -10,7 +10,8 @@ refs instead of bytes, and a reader on the same node maps the objects::
             and the tier is told to discard it
 
 The reader, not the tier, checks names, checksums, shapes and dtypes, so the bytes it uses
-are the bytes it verified, whatever another reader did to its own view of the object.
+are the bytes it verified, whatever another reader did to its own view of the object (the
+request's prefetch then checks each name against its own tokens: records keep none).
 Objects die with the actor that put them (``OwnerDiedError`` at a reader), as memory
 records do anyway: a reader counts that as a miss (``storage_error``), never raises.
 """

@@ -138,7 +138,8 @@ class Prefetcher:
         records = records[:len(batch)] + [None] * (len(batch) - len(records))  # short: misses
         good: list[torch.Tensor] = []
         for i, (name, record) in enumerate(zip(batch, records)):
-            reason = self._check(req, record, name, chain.prior(start + i), chain.seed)
+            reason = self._check(req, record, name, chain.prior(start + i), chain.seed,
+                                 self._page_tokens(req, chain, start + i))
             if reason is MissReason.CROSS_NAMESPACE:
                 refused.extend(batch[i:])   # counted like every miss: the pages it costs
             if reason is not None:
@@ -166,8 +167,19 @@ class Prefetcher:
             self.link.fault(req, "get", MissReason.STORAGE_ERROR, e, n)
             return None
 
+    def _page_tokens(self, req: Req, chain: Chain, i: int) -> list[int]:
+        """The request's own tokens of page ``chain.names[i]``, which the record's name must
+        hash from (L3 keeps no tokens)::
+
+            prefix (local hit)  names            page j = len(prefix) + i covers
+            n0 n1 n2          | n3 n4 n5          input_ids[j*ps : (j+1)*ps]
+        """
+        ps = self.link.page_size
+        at = (len(chain.prefix) + i) * ps
+        return req.input_ids[at:at + ps]
+
     def _check(self, req: Req, record: PageRecord | None, name: bytes, prior: bytes,
-               seed: bytes) -> MissReason | None:
+               seed: bytes, tokens: list[int]) -> MissReason | None:
         if record is None:
             return MissReason.NOT_STORED
         if record.header.seed != seed:
@@ -177,7 +189,7 @@ class Prefetcher:
                       req.rid, name.hex())
             return MissReason.CROSS_NAMESPACE
         problem = verify(record, self.link.layout, self.link.algo, name=name, prior=prior,
-                         pool=KV_POOL)
+                         pool=KV_POOL, tokens=tokens)
         if problem:
             log.warning("request %s: L3 record %s does not verify: %s", req.rid, name.hex(),
                         problem)

@@ -154,6 +154,20 @@ def test_other_layout_is_refused_by_the_tier(shards: Callable[[str], list[Any]])
     assert client.batch_exists(other.names) == 0
 
 
+def test_tier_refuses_a_record_that_fails_its_checksum(
+        shards: Callable[[str], list[Any]]) -> None:
+    client = StorageClient(shards("float32"))
+    chain = Chain(config_for().layout, 3, seed=25)
+    flipped = chain.records[1].payload().clone()
+    flipped.view(torch.uint8).view(-1)[7] ^= 0x01
+    records = [chain.records[0], PageRecord(chain.records[1].header, (flipped,)),
+               chain.records[2]]
+    refused = client.stats().get("refused/verification_failed", 0)
+    assert client.batch_set(chain.names, records) == [True, False, True]
+    assert client.stats()["refused/verification_failed"] - refused == 1
+    assert client.batch_exists(chain.names) == 1
+
+
 def test_dead_shard_is_a_miss_not_a_hang(ray_cluster: Any) -> None:
     client = StorageClient.from_config(config_for(), timeout_s=20)
     handles = client.handles

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import random
+import stat
 from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
@@ -24,6 +27,7 @@ from pd_cache.storage import (
 from pd_cache.storage.disk import DiskBackend
 from pd_cache.storage.eviction import TailFirst
 from pd_cache.storage.memory import MemoryBackend
+from pd_cache.storage.record import PoolEntry
 from tests.unit.storage.test_record import bits, layout_for, random_bits
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -211,6 +215,21 @@ def test_other_layout_is_refused(make_store: Factory) -> None:
     assert store.stats() == {"refused/verification_failed": 2}
 
 
+def test_a_record_that_fails_its_checksum_is_refused_on_write(make_store: Factory) -> None:
+    chain = Chain(layout_for(), 3)
+    store = make_store()
+    flipped = chain.records[1].payload().clone()
+    flipped.view(torch.uint8).view(-1)[3] ^= 0x10
+    entry = chain.records[2].header.pools[0]
+    bad_sum = msgspec.structs.replace(chain.records[2].header, pools=(
+        msgspec.structs.replace(entry, checksum=entry.checksum ^ 1),))
+    records = [chain.records[0], PageRecord(chain.records[1].header, (flipped,)),
+               PageRecord(bad_sum, chain.records[2].payloads)]
+    assert store.batch_set(chain.names, records) == [True, False, False]
+    assert store.stats()["refused/verification_failed"] == 2
+    assert store.usage().records == 1 and store.batch_exists(chain.names) == 1
+
+
 def test_flipped_payload_in_memory_is_dropped() -> None:
     store, chain = MemoryBackend(layout_for(), 1 << 20), Chain(layout_for(), 2)
     store.batch_set(chain.names, chain.records)
@@ -277,6 +296,84 @@ def test_disk_restart_serves_everything_and_drops_torn_files(tmp_path: Path) -> 
     assert got[4:] == [None, None]
     assert len(record_files(second.root)) == 4
     assert not list(second.root.rglob("*.tmp"))
+
+
+class V2Header(msgspec.Struct, frozen=True):
+    """The header of record version 2, which held the page's token ids in clear."""
+
+    version: int
+    fingerprint: str
+    algo: str
+    name: bytes
+    prior: bytes
+    tokens: tuple[int, ...]
+    pools: tuple[PoolEntry, ...]
+    seed: bytes = b""
+
+
+def test_disk_restart_drops_records_of_an_older_version(tmp_path: Path,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    layout = layout_for()
+    chain = Chain(layout, 3)
+    first = DiskBackend(tmp_path, layout, 1 << 20)
+    assert first.batch_set(chain.names[:2], chain.records[:2]) == [True, True]
+    # page 2 as a version-2 file: same frame and payloads, its tokens in the header
+    rec, ps = chain.records[2], layout.page_size
+    old = V2Header(2, rec.header.fingerprint, rec.header.algo, rec.name, rec.header.prior,
+                   tuple(chain.tokens[2 * ps:3 * ps]), rec.header.pools, rec.header.seed)
+    path = first._path(("kv", rec.name))
+    path.parent.mkdir(exist_ok=True)
+    first._write_file(path, PageRecord(old, rec.payloads))  # type: ignore[arg-type]
+    with caplog.at_level(logging.WARNING, logger="pd_cache.storage.disk"):
+        second = DiskBackend(tmp_path, layout, 1 << 20)
+    assert "record version 2, expected 3" in caplog.text
+    assert second.usage().records == 2 and not path.exists()
+    assert second.stats() == {"verification_failed/": 1}
+    assert second.batch_exists(chain.names) == 2
+
+
+def modes_under(root: Path) -> tuple[set[int], set[int]]:
+    """The permission bits of every directory and every file under ``root``."""
+    dirs, files = set(), set()
+    for path in root.rglob("*"):
+        (dirs if path.is_dir() else files).add(stat.S_IMODE(os.stat(path).st_mode))
+    return dirs, files
+
+
+def test_disk_files_and_directories_are_private(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    layout = layout_for()
+    chain = Chain(layout, 4)
+    config = StorageConfig(backend="disk", disk_path=str(tmp_path / "l3"))
+    umask = os.umask(0o002)  # permissive: group-writable, world-readable
+    try:
+        older = DiskBackend.from_config(config, layout)
+        assert older.batch_set(chain.names[:1], chain.records[:1]) == [True]
+        for path in (tmp_path / "l3").rglob("*"):  # a tree an older version left open
+            path.chmod(0o775 if path.is_dir() else 0o664)
+        tmp_modes: list[int] = []
+        replace = os.replace
+
+        def spy(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+            tmp_modes.append(stat.S_IMODE(os.stat(src).st_mode))
+            replace(src, dst)
+
+        monkeypatch.setattr(os, "replace", spy)
+        with caplog.at_level(logging.INFO, logger="pd_cache.storage.disk"):
+            store = DiskBackend.from_config(config, layout)
+        assert store.batch_set(chain.names, chain.records) == [True] * 4
+        fresh = DiskBackend(tmp_path / "new" / "deep", layout, 1 << 20)
+        assert fresh.batch_set(chain.names[:1], chain.records[:1]) == [True]
+    finally:
+        os.umask(umask)
+    assert tmp_modes == [0o600] * 4  # temp files too, before the rename
+    assert modes_under(tmp_path / "l3") == ({0o700}, {0o600})
+    assert modes_under(tmp_path / "new") == ({0o700}, {0o600})
+    assert stat.S_IMODE(os.stat(tmp_path / "new").st_mode) == 0o700  # created by the store
+    tightened = [r for r in caplog.records if "private" in r.getMessage()]
+    assert len(tightened) == 1, caplog.text
+    assert store.batch_exists(chain.names) == 4
 
 
 def test_disk_partitions_layouts_under_one_path(tmp_path: Path) -> None:
