@@ -18,52 +18,26 @@ from pd_cache.storage import (
     PoolHits,
     PoolTransfer,
     StorageBackend,
-    Usage,
     usable_prefix,
 )
 from pd_cache.storage.disk import DiskBackend
 from pd_cache.storage.memory import MemoryBackend
 from tests.unit.storage.test_record import layout_for
 from tests.unit.storage.test_storage_backends import Chain, assert_same
+from tests.unit.tiering.test_controller import Wrapper
 
 STATE = (3, 8)
 # prefix_keys state -> how many pages of the chain come before the operation
 MODES = {"off": None, "seed": 0, "after_two": 2}
 
 
-class Recorder(StorageBackend):
-    """A real backend behind a wrapper that keeps every v2 call it is handed."""
-
-    def __init__(self, inner: StorageBackend) -> None:
-        self.inner, self.algo = inner, inner.algo
-        self.calls: list[tuple[str, list[tuple[str, list[Any]]], ExtraInfo | None,
-                               list[Any] | None]] = []
+class Recorder(Wrapper):
+    """A real backend behind a wrapper that keeps every v2 call it is handed, every pool."""
 
     def _record(self, op: str, transfers: Sequence[PoolTransfer],
                 info: ExtraInfo | None) -> None:
         prefix = None if info is None or info.prefix_keys is None else list(info.prefix_keys)
         self.calls.append((op, [(t.pool, list(t.keys)) for t in transfers], info, prefix))
-
-    def batch_exists_v2(self, transfers: Sequence[PoolTransfer],
-                        extra_info: ExtraInfo | None = None) -> PoolHits:
-        self._record("exists", transfers, extra_info)
-        return self.inner.batch_exists_v2(transfers, extra_info)
-
-    def batch_get_v2(self, transfers: Sequence[PoolTransfer],
-                     extra_info: ExtraInfo | None = None) -> list[PoolTransfer]:
-        self._record("get", transfers, extra_info)
-        return self.inner.batch_get_v2(transfers, extra_info)
-
-    def batch_set_v2(self, transfers: Sequence[PoolTransfer],
-                     extra_info: ExtraInfo | None = None) -> list[list[bool]]:
-        self._record("set", transfers, extra_info)
-        return self.inner.batch_set_v2(transfers, extra_info)
-
-    def stats(self) -> dict[str, int]:
-        return self.inner.stats()
-
-    def usage(self) -> Usage:
-        return self.inner.usage()
 
 
 def info_for(chain: Chain, before: int | None) -> ExtraInfo:
