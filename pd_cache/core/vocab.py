@@ -44,6 +44,14 @@ class Event(str, Enum):
     VERIFICATION_FAILED = "verification_failed"
 
 
+class Outcome(str, Enum):
+    """How one L3 transfer (a request's prefetch or write) ended."""
+
+    OK = "ok"           # every page L3 was asked for moved
+    SHORT = "short"     # some did, then one failed (the rest are recomputed / not stored)
+    FAILED = "failed"   # none did
+
+
 # Counter kinds of a worker's ``Stats`` beside the events (``kind/reason`` keys).
 PREFETCH_BATCH = "prefetch_batch"   # one per L3 get batch issued
 PREFETCH_ACK = "prefetch_ack"       # reasons: ok | short

@@ -56,6 +56,10 @@ class PDCacheMetrics:
     def count_tokens(self, role: str, token_kind: str, n: int) -> None:
         self._record("pd_cache_tokens_total", n, role=role, token_kind=token_kind)
 
+    def count_prefix_queries(self, n: int) -> None:
+        """Prompt tokens looked up in the prefix cache (found ones: ``count_cached_tokens``)."""
+        self._record("pd_cache_prefix_cache_queries_tokens_total", n)
+
     def count_cached_tokens(self, tier: str, n: int) -> None:
         self._record("pd_cache_cached_tokens_total", n, tier=tier)
 
@@ -64,6 +68,12 @@ class PDCacheMetrics:
 
     def observe_inter_token(self, seconds: float, role: str = "decode") -> None:
         self._record("pd_cache_inter_token_seconds", seconds, "seconds", role=role)
+
+    def observe_e2e(self, seconds: float) -> None:
+        self._record("pd_cache_e2e_seconds", seconds, "seconds")
+
+    def observe_queue(self, seconds: float, role: str = "decode") -> None:
+        self._record("pd_cache_queue_seconds", seconds, "seconds", role=role)
 
     # -- L3 ----------------------------------------------------------------------------
     def count_miss(self, reason: MissReason | str, n: int = 1) -> None:
@@ -105,12 +115,14 @@ class PDCacheMetrics:
 
     # -- transfers ---------------------------------------------------------------------
     def observe_prefetch(self, pages: int, nbytes: int, seconds: float,
-                         backend: str = "memory") -> None:
-        self._transfer("prefetch", pages, nbytes, seconds, backend=backend)
+                         backend: str = "memory", outcome: str = "ok") -> None:
+        """One request's prefetch: the pages (bytes) that landed, and how it ended."""
+        self._transfer("prefetch", pages, nbytes, seconds, backend=backend, outcome=outcome)
 
     def observe_backup(self, pages: int, nbytes: int, seconds: float,
-                       backend: str = "memory") -> None:
-        self._transfer("backup", pages, nbytes, seconds, backend=backend)
+                       backend: str = "memory", outcome: str = "ok") -> None:
+        """One request's write to L3: the pages (bytes) L3 acknowledged, and how it ended."""
+        self._transfer("backup", pages, nbytes, seconds, backend=backend, outcome=outcome)
 
     def observe_handoff(self, pages: int, nbytes: int, seconds: float) -> None:
         self._transfer("handoff", pages, nbytes, seconds)
@@ -121,7 +133,10 @@ class PDCacheMetrics:
         for name, value, field in ((f"pd_cache_{what}_pages_total", pages, "pages"),
                                    (f"pd_cache_{what}_bytes_total", nbytes, "nbytes"),
                                    (f"pd_cache_{what}_seconds", seconds, "seconds")):
-            amount(METRIC_NAMES[name], field, value)
+            spec = METRIC_NAMES[name]
+            amount(spec, field, value)
+            for key in spec.labels:
+                check_label(spec, key, labels[key])
         self._record(f"pd_cache_{what}_pages_total", pages, "pages", **labels)
         self._record(f"pd_cache_{what}_bytes_total", nbytes, "nbytes", **labels)
         self._record(f"pd_cache_{what}_seconds", seconds, "seconds", **labels)

@@ -22,7 +22,10 @@ from pd_cache.core.vocab import (
     TOKEN_KINDS,
     Event,
     MissReason,
+    Outcome,
 )
+
+OUTCOMES: tuple[str, ...] = tuple(o.value for o in Outcome)
 
 VOCABULARIES: dict[str, tuple[str, ...]] = {
     "role": ROLES,
@@ -33,12 +36,18 @@ VOCABULARIES: dict[str, tuple[str, ...]] = {
     "namespace_kind": NAMESPACE_KINDS,
     "token_kind": TOKEN_KINDS,
     "page_kind": PAGE_KINDS,
+    "outcome": OUTCOMES,
 }
 
-# Seconds. TTFT spans a cached hit (ms) to a long cold prompt (tens of s); transfers of a
-# page batch span sub-ms (one node, zero-copy) to seconds (a slow L3).
-TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+# Seconds, fit for a small model on CPU and a large one on GPU alike. TTFT and E2E span a
+# cached hit of a tiny model (sub-ms) to a long cold prompt (a minute); a decode step spans
+# 0.1 ms (tiny, CPU) to seconds (a large batch); transfers of a page batch span sub-ms (one
+# node, zero-copy) to seconds (a slow L3); queueing spans nothing to tens of seconds.
+TTFT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                5.0, 10.0, 30.0, 60.0)
+TOKEN_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                 0.25, 0.5, 1.0, 2.5)
+QUEUE_BUCKETS = (0.0001, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0)
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                     2.5, 5.0)
 
@@ -70,24 +79,31 @@ def _h(name: str, labels: tuple[str, ...], text: str, buckets: tuple[float, ...]
     return MetricSpec(name, "histogram", labels, text, buckets)
 
 
+_XFER = ("backend", "outcome")
+
 METRICS: tuple[MetricSpec, ...] = (
     _c("pd_cache_requests_total", ("role", "namespace_kind"), "Requests handled, by role."),
     _c("pd_cache_tokens_total", ("role", "token_kind"),
        "Tokens: prompt (admitted), computed (prefilled by the model), generated (decoded)."),
+    _c("pd_cache_prefix_cache_queries_tokens_total", (),
+       "Prompt tokens looked up in the prefix cache (every full page before the last "
+       "token; vLLM's prefix_cache_queries)."),
     _c("pd_cache_cached_tokens_total", ("tier",),
-       "Prompt tokens whose KV came from a cache tier instead of being computed."),
+       "Prompt tokens found in a cache tier instead of computed (vLLM's "
+       "prefix_cache_hits, by tier)."),
     _c("pd_cache_storage_misses_total", ("reason",),
        "L3 pages that could not be used, by reason."),
     _c("pd_cache_storage_events_total", ("backend", "event"),
        "L3 page events (hit, miss, stored, evicted, refused, verification_failed)."),
-    _c("pd_cache_prefetch_pages_total", ("backend",), "Pages prefetched L3 -> host."),
-    _c("pd_cache_prefetch_bytes_total", ("backend",), "Bytes prefetched L3 -> host."),
-    _h("pd_cache_prefetch_seconds", ("backend",), "Duration of one prefetch batch.",
-       TRANSFER_BUCKETS),
-    _c("pd_cache_backup_pages_total", ("backend",), "Pages written back to L3."),
-    _c("pd_cache_backup_bytes_total", ("backend",), "Bytes written back to L3."),
-    _h("pd_cache_backup_seconds", ("backend",), "Duration of one write-back batch.",
-       TRANSFER_BUCKETS),
+    _c("pd_cache_prefetch_pages_total", _XFER, "Pages prefetched L3 -> host."),
+    _c("pd_cache_prefetch_bytes_total", _XFER, "Bytes prefetched L3 -> host."),
+    _h("pd_cache_prefetch_seconds", _XFER,
+       "Duration of one request's prefetch (lookup and every batch).", TRANSFER_BUCKETS),
+    _c("pd_cache_backup_pages_total", _XFER,
+       "Pages written to L3 (prefill write-through and decode offload)."),
+    _c("pd_cache_backup_bytes_total", _XFER, "Bytes written to L3."),
+    _h("pd_cache_backup_seconds", _XFER, "Duration of one request's write to L3 (every "
+       "batch).", TRANSFER_BUCKETS),
     _c("pd_cache_handoff_pages_total", (), "KV pages handed from prefill to decode."),
     _c("pd_cache_handoff_bytes_total", (), "KV bytes handed from prefill to decode."),
     _h("pd_cache_handoff_seconds", (), "Duration of one prefill -> decode KV handoff.",
@@ -98,6 +114,10 @@ METRICS: tuple[MetricSpec, ...] = (
     _h("pd_cache_ttft_seconds", ("role",), "Time to first token.", TTFT_BUCKETS),
     _h("pd_cache_inter_token_seconds", ("role",), "Time between two output tokens.",
        TOKEN_BUCKETS),
+    _h("pd_cache_e2e_seconds", (), "Request latency the workers time: prefill, KV "
+       "handoff and decode.", TTFT_BUCKETS),
+    _h("pd_cache_queue_seconds", ("role",), "Time a request waited for a worker's batch.",
+       QUEUE_BUCKETS),
 )
 METRIC_NAMES: dict[str, MetricSpec] = {spec.name: spec for spec in METRICS}
 RAY_PREFIX = "ray_"

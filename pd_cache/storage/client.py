@@ -14,6 +14,10 @@ keys, so the chain check holds although no shard sees consecutive keys.
 A ``memory`` shard answers a get with object refs (``pd_cache.storage.shared``): the
 client maps the records from the node's object store and verifies each one itself before
 returning it; a record that fails is a miss and the shard is told to discard it.
+
+The misses only a reader sees (a shard that timed out or failed, a lent record that did
+not verify) are counted in the client's ``Stats`` and, inside a Ray worker, exported as
+``pd_cache_storage_misses_total`` by reason; each shard exports what it saw itself.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import xxhash
 
 from pd_cache.core.stats import Stats
 from pd_cache.core.vocab import Event, MissReason
+from pd_cache.metrics import PDCacheMetrics, resolve_exporter
 from pd_cache.storage.base import (
     ExtraInfo,
     Pending,
@@ -68,10 +73,12 @@ class StorageClient(StorageBackend):
 
     Records a shard lends by reference are verified here against ``layout`` (the shard's
     own layout when ``None``); received payloads are read-only views of shared memory.
+    ``metrics`` receives the misses counted here (default: Ray's, inside a Ray worker).
     """
 
     def __init__(self, handles: Sequence[Any], *, algo: str = "xxh3_128",
-                 timeout_s: float | None = 30.0, layout: KVLayout | None = None) -> None:
+                 timeout_s: float | None = 30.0, layout: KVLayout | None = None,
+                 metrics: PDCacheMetrics | None = None) -> None:
         if not handles:
             raise ValueError("handles: expected at least one StorageTier actor")
         if timeout_s is not None and not timeout_s > 0:
@@ -79,6 +86,9 @@ class StorageClient(StorageBackend):
         self.handles, self.algo, self.timeout_s = list(handles), algo, timeout_s
         self.layout = layout
         self._stats = Stats()
+        if metrics is None and resolve_exporter("auto") == "ray":
+            metrics = PDCacheMetrics("ray")
+        self.metrics = metrics
         self._warned: set[tuple[int, MissReason]] = set()
 
     @classmethod
@@ -192,14 +202,19 @@ class StorageClient(StorageBackend):
         # NOTE: the shard counted every lent key as a hit; what fails here is also counted
         # as a miss, here, so a damaged or lost record shows under its reason.
         if got.bad:
-            self._stats.count(Event.MISS, MissReason.VERIFICATION_FAILED, len(got.bad))
+            self._count(Event.MISS, MissReason.VERIFICATION_FAILED, len(got.bad))
             self.handles[shard].discard_v2.remote(pool, got.bad)
         if not got.lost:
             return None
         fault = ShardFault(shard, got.reason, got.detail)
         self._log_fault(fault)
-        self._stats.count(Event.MISS, got.reason, got.lost)
+        self._count(Event.MISS, got.reason, got.lost)
         return fault
+
+    def _count(self, event: Event, reason: MissReason, n: int) -> None:
+        self._stats.count(event, reason, n)
+        if event is Event.MISS and self.metrics is not None:
+            self.metrics.count_miss(reason, n)
 
     def _log_fault(self, fault: ShardFault) -> None:
         # NOTE: a dead shard fails every call; say so once per shard and reason.
@@ -213,7 +228,7 @@ class StorageClient(StorageBackend):
         def count(fault: ShardFault) -> None:
             self._log_fault(fault)
             n = sum(len(pos) for _, pos in plan[fault.shard]) if per_key else 1
-            self._stats.count(event, fault.reason, n)
+            self._count(event, fault.reason, n)
         return count
 
 

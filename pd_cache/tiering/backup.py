@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -64,6 +65,7 @@ class BackupWriter:
 
     def _write(self, req: Req, chain: Chain, tokens: list[int], pages: torch.Tensor,
                skip_stored: bool, kind: str, page_kind: str | None) -> None:
+        started, start, stored = time.perf_counter(), len(chain.names), 0
         try:
             start = self.link.query(req, chain, count=False) if skip_stored else 0
             prefix = self.link.start_prefix(chain)
@@ -71,17 +73,21 @@ class BackupWriter:
             size = self.link.config.batch_pages
             for lo in range(start, len(chain.names), size):
                 batch = chain.names[lo:lo + size]
-                if not self._write_batch(req, chain, lo, batch, tokens, pages, prefix, kind,
-                                         page_kind):
-                    return
+                done = self._write_batch(req, chain, lo, batch, tokens, pages, prefix, kind,
+                                         page_kind)
+                stored += done
+                if done < len(batch):
+                    break
                 prefix = None if prefix is None else prefix + batch
         except Exception:  # noqa: BLE001 - a background write never takes the worker down
             log.exception("request %s: L3 %s failed", req.rid, kind)
             self.stats.count(kind, FAILED_BATCH)
+        self.link.observe("backup", stored, len(chain.names) - start, started)
 
     def _write_batch(self, req: Req, chain: Chain, lo: int, batch: list[bytes],
                      tokens: list[int], pages: torch.Tensor, prefix: list[bytes] | None,
-                     kind: str, page_kind: str | None) -> bool:
+                     kind: str, page_kind: str | None) -> int:
+        """Store one batch; how many of its pages, from the first, L3 acknowledged."""
         link, ps = self.link, self.link.page_size
         records = [make_record(name, chain.prior(lo + i),
                                tokens[(lo + i) * ps:(lo + i + 1) * ps],
@@ -99,12 +105,13 @@ class BackupWriter:
             self.stats.count(kind, PAGE, stored)
             if page_kind is not None:
                 self.stats.count(kind, page_kind, stored)
+                if link.metrics is not None:
+                    link.metrics.count_offload(page_kind, stored)
         if stored < len(batch):
             log.warning("request %s: L3 %s batch stored %d of %d pages; stopping", req.rid,
                         kind, stored, len(batch))
             self.stats.count(kind, FAILED_BATCH)
-            return False
-        return True
+        return stored
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for every backup issued so far; ``False`` if some are still running."""

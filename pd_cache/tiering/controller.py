@@ -16,6 +16,7 @@ from __future__ import annotations
 from pd_cache.core.config import StorageConfig
 from pd_cache.core.stats import Stats
 from pd_cache.kv.pool import PagePool
+from pd_cache.metrics import PDCacheMetrics
 from pd_cache.storage.base import StorageBackend
 from pd_cache.tiering.backup import BackupWriter
 from pd_cache.tiering.link import StorageLink
@@ -28,14 +29,18 @@ class CacheController:
     ``alloc(n, owner)`` hands out up to ``n`` host slots (the engine evicts L2 pages to
     make room); prefetched pages land there. ``call_timeout_s`` bounds every wait on an
     asynchronous backend (``wait_complete`` included); in-process backends answer at once.
+    ``metrics`` (optional) records each request's prefetch and write: pages, bytes,
+    seconds, by outcome.
     """
 
     def __init__(self, storage: StorageBackend, host_pool: PagePool, config: StorageConfig,
                  *, algo: str = "xxh3_128", stats: Stats | None = None,
-                 alloc: Alloc | None = None, call_timeout_s: float = 30.0) -> None:
+                 alloc: Alloc | None = None, call_timeout_s: float = 30.0,
+                 metrics: PDCacheMetrics | None = None) -> None:
         self.stats = stats if stats is not None else Stats()
         self.link = StorageLink(storage, config, host_pool.layout, algo=algo,
-                                stats=self.stats, call_timeout_s=call_timeout_s)
+                                stats=self.stats, call_timeout_s=call_timeout_s,
+                                metrics=metrics)
         self.page_size, self.algo = self.link.page_size, algo
         self.reader = Prefetcher(self.link, host_pool, alloc)
         self.writer = BackupWriter(self.link)

@@ -1,8 +1,9 @@
 """``StorageLink``: what the read path and the write path share towards one backend.
 
 The call context of every batch (``ExtraInfo``), the hit query (``batch_exists`` batch by
-batch) and the rule for faults: a storage fault is logged with the request id, counted by
-reason, and ends as a miss; it never reaches the request.
+batch), the rule for faults (a storage fault is logged with the request id, counted by
+reason, and ends as a miss; it never reaches the request) and the metrics both paths
+record (``observe``: pages, bytes and seconds of one request's transfer, by outcome).
 
 ``ExtraInfo.prefix_keys`` is ``None`` when ``storage.prefix_keys`` is off, else the names
 before the batch, rebuilt per batch as ``prefix = prefix + batch``: a list already handed
@@ -12,11 +13,15 @@ to a backend is never mutated.
 from __future__ import annotations
 
 import logging
+import math
+import time
 
 from pd_cache.core.config import KVLayout, StorageConfig
 from pd_cache.core.request import Req
 from pd_cache.core.stats import Stats
-from pd_cache.core.vocab import Event, MissReason
+from pd_cache.core.vocab import Event, MissReason, Outcome
+from pd_cache.kv.pages import kv_torch_dtype
+from pd_cache.metrics import PDCacheMetrics
 from pd_cache.storage.base import ExtraInfo, StorageBackend
 from pd_cache.tiering.chain import Chain, batches
 
@@ -24,10 +29,14 @@ log = logging.getLogger("pd_cache.tiering")
 
 
 class StorageLink:
-    """One worker's calls to one ``StorageBackend``; ``call_timeout_s`` bounds each wait."""
+    """One worker's calls to one ``StorageBackend``; ``call_timeout_s`` bounds each wait.
+
+    ``metrics`` (``None``: record nothing) receives every transfer both paths make.
+    """
 
     def __init__(self, storage: StorageBackend, config: StorageConfig, layout: KVLayout, *,
-                 algo: str, stats: Stats, call_timeout_s: float) -> None:
+                 algo: str, stats: Stats, call_timeout_s: float,
+                 metrics: PDCacheMetrics | None = None) -> None:
         if not isinstance(storage, StorageBackend):
             raise ValueError(f"storage: expected a StorageBackend, got {type(storage).__name__}")
         if not isinstance(config, StorageConfig):
@@ -37,6 +46,9 @@ class StorageLink:
         self.storage, self.config, self.layout = storage, config, layout
         self.page_size, self.algo = layout.page_size, algo
         self.stats, self.call_timeout_s = stats, call_timeout_s
+        self.metrics = metrics
+        self.page_nbytes = math.prod(layout.page_shape) * \
+            kv_torch_dtype(layout.kv_dtype).itemsize
 
     def info(self, req: Req, chain: Chain, prefix: list[bytes] | None) -> ExtraInfo:
         return ExtraInfo(prefix_keys=prefix, namespace_seed=chain.seed, request_id=req.rid)
@@ -74,3 +86,14 @@ class StorageLink:
         log.warning("request %s: L3 %s failed (%s: %s); recomputing", req.rid, what,
                     type(error).__name__, str(error)[:200])
         self.stats.count(Event.MISS, reason, num_pages or 1)
+
+    def observe(self, what: str, pages: int, wanted: int, started: float) -> None:
+        """Record one request's ``what`` (prefetch | backup) that moved ``pages`` of the
+        ``wanted`` it tried, begun at ``started`` (``time.perf_counter()``)."""
+        if self.metrics is None or not wanted:
+            return
+        outcome = Outcome.OK if pages == wanted else Outcome.SHORT if pages else Outcome.FAILED
+        record = self.metrics.observe_prefetch if what == "prefetch" \
+            else self.metrics.observe_backup
+        record(pages, pages * self.page_nbytes, time.perf_counter() - started,
+               backend=self.config.backend, outcome=outcome.value)

@@ -76,7 +76,7 @@ class Prefetcher:
         Returns the pages that landed, verified, in order; the caller reads them and calls
         ``release``.
         """
-        owner = f"prefetch:{req.rid}"
+        owner, started = f"prefetch:{req.rid}", time.perf_counter()
         chain = Chain.of(req, names, prefix, algo=self.link.algo)
         hits = self.link.query(req, chain) if chain.names else 0
         slots = self._alloc(hits, owner) if hits else []
@@ -90,6 +90,7 @@ class Prefetcher:
         self.host.free(slots[landed:], owner)
         if landed:
             self.stats.count(Event.HIT, Tier.STORAGE, landed)
+        self.link.observe("prefetch", landed, hits, started)
         return Prefetched(self.host, slots[:landed], owner, len(refused))
 
     def deadline(self, policy: str, num_tokens: int) -> float | None:

@@ -31,12 +31,13 @@ ActorOptions = dict[str, Any]
 
 
 def _storage_client(handles: Sequence[Any], config: PDCacheConfig,
-                    timeout_s: float | None) -> Any:
+                    timeout_s: float | None, metrics: Any) -> Any:
     if not handles or not config.storage.enabled:
         return None
     from pd_cache.storage.client import StorageClient
 
-    return StorageClient(handles, algo=config.cache.hash_algo, timeout_s=timeout_s)
+    return StorageClient(handles, algo=config.cache.hash_algo, timeout_s=timeout_s,
+                         metrics=metrics)
 
 
 class _Host:
@@ -55,8 +56,9 @@ class _Host:
         # receives before use.
         warnings.filterwarnings("ignore", message=".*[Zz]ero-copy tensor.*")
         warnings.filterwarnings("ignore", message=".*non-writable tensors.*")
-        storage = _storage_client(storage_handles, config, storage_timeout_s)
-        self.worker = worker_class(config, worker_id=worker_id, metrics=PDCacheMetrics("auto"),
+        metrics = PDCacheMetrics("auto")   # one recorder per process: worker and L3 client
+        storage = _storage_client(storage_handles, config, storage_timeout_s, metrics)
+        self.worker = worker_class(config, worker_id=worker_id, metrics=metrics,
                                    storage=storage, storage_timeout_s=storage_timeout_s or 30.0,
                                    **worker_options)
 

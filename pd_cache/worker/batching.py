@@ -17,12 +17,17 @@ and one that expires while decoding leaves the batch at the next step (its calle
 ``DeadlineExceeded``; its KV buffer goes with it). A caller may watch its tokens as they
 are drawn (``on_token``, called on the engine's thread) and ``cancel`` its request (a
 client that went away): it leaves the batch at the next step.
+
+With ``metrics``, the thread records how long each request waited for a place in the batch
+(queue time) and the time between its consecutive tokens (inter-token latency; the first
+is measured from when it joined, since the first token came from prefill).
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
 from typing import NamedTuple
@@ -31,6 +36,7 @@ import torch
 
 from pd_cache.core.request import DeadlineExceeded, Req
 from pd_cache.core.vocab import DEADLINE
+from pd_cache.metrics import PDCacheMetrics
 from pd_cache.worker.engine import LocalEngine
 from pd_cache.worker.outputs import DecodeSeq
 
@@ -42,6 +48,7 @@ class _Job(NamedTuple):
     first_token: int
     done: Future[list[int]]
     on_token: Callable[[int], None] | None = None
+    submitted: float = 0.0   # time.perf_counter() when handed in
 
 
 Active = list[tuple[DecodeSeq, _Job]]
@@ -51,10 +58,12 @@ class DecodeBatcher:
     """Decodes the requests handed to ``decode`` from any thread, up to ``max_batch`` per
     forward; the rest wait their turn in arrival order."""
 
-    def __init__(self, engine: LocalEngine, *, max_batch: int = 8) -> None:
+    def __init__(self, engine: LocalEngine, *, max_batch: int = 8,
+                 metrics: PDCacheMetrics | None = None) -> None:
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch: expected an int >= 1, got {max_batch!r}")
-        self.engine, self.max_batch = engine, max_batch
+        self.engine, self.max_batch, self.metrics = engine, max_batch, metrics
+        self._last_token: dict[int, float] = {}   # id(seq) -> when it last got a token
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._cancelled: set[str] = set()
         self._thread = threading.Thread(target=self._loop, name="pd-cache-decode",
@@ -76,7 +85,8 @@ class DecodeBatcher:
         if self._closed:
             raise RuntimeError("DecodeBatcher: closed")
         done: Future[list[int]] = Future()
-        self._queue.put(_Job(req, pages, num_prompt_tokens, first_token, done, on_token))
+        self._queue.put(_Job(req, pages, num_prompt_tokens, first_token, done, on_token,
+                             time.perf_counter()))
         return done
 
     def cancel(self, rid: str) -> None:
@@ -106,11 +116,14 @@ class DecodeBatcher:
                     job.done.set_exception(e)
                 active.clear()
                 continue
+            self._timed_step(active)
             for seq, job in active:
                 if job.on_token is not None:
                     job.on_token(seq.tokens[-1])
             active[:] = [(s, j) for s, j in active if not self._finish(s, j) and not
                          self._dropped(j)]
+            self._last_token = {id(s): self._last_token[id(s)] for s, _ in active
+                                if id(s) in self._last_token}
         while not self._queue.empty():   # handed in after close: never started
             job = self._queue.get()
             if job is not None:
@@ -134,9 +147,22 @@ class DecodeBatcher:
             except Exception as e:  # noqa: BLE001 - the caller gets it
                 job.done.set_exception(e)
                 continue
+            if self.metrics is not None:
+                now = time.perf_counter()
+                self.metrics.observe_queue(now - job.submitted, "decode")
+                self._last_token[id(seq)] = now
             if not self._finish(seq, job):
                 active.append((seq, job))
         return False
+
+    def _timed_step(self, active: Active) -> None:
+        """Record each request's time since its previous token (all got one this step)."""
+        if self.metrics is None:
+            return
+        now = time.perf_counter()
+        for seq, _ in active:
+            self.metrics.observe_inter_token(now - self._last_token.get(id(seq), now), "decode")
+            self._last_token[id(seq)] = now
 
     def _dropped(self, job: _Job) -> bool:
         """Drop a request past its deadline (``DeadlineExceeded``) or cancelled."""

@@ -30,6 +30,7 @@ from pd_cache.core.stats import Stats
 from pd_cache.core.vocab import DECODE, Event, MissReason, Tier
 from pd_cache.kv import CacheKey, MatchResult, PagePool, RadixCache, SlotError
 from pd_cache.kv.pool import device_pool, host_pool
+from pd_cache.metrics import PDCacheMetrics
 from pd_cache.storage.base import StorageBackend
 from pd_cache.tiering.controller import CacheController
 from pd_cache.tiering.offload import DecodeOffloadManager
@@ -47,13 +48,15 @@ class LocalEngine:
     tier actors) adds L3, unless ``config.storage.enabled`` is false. Prefetched pages land
     in host slots, so L3 reads need ``cache.host_pages > 0``. ``offload_stride`` (tokens)
     is how often decode backs up generated pages; ``storage_timeout_s`` bounds any wait on
-    an asynchronous backend.
+    an asynchronous backend. ``metrics`` (optional) records L3 prefetches and writes where the
+    tiering layer makes them.
     """
 
     def __init__(self, config: PDCacheConfig | None = None, *,
                  storage: StorageBackend | None = None, device: torch.device | str = "cpu",
                  offload_stride: int | None = None,
-                 storage_timeout_s: float = 30.0) -> None:
+                 storage_timeout_s: float = 30.0,
+                 metrics: PDCacheMetrics | None = None) -> None:
         self.config = config if config is not None else PDCacheConfig()
         # NOTE: config.layout, once pinned weights (if any) are checked to be this model's.
         self.layout = model_layout(self.config)
@@ -71,7 +74,8 @@ class LocalEngine:
             self.controller = CacheController(storage, self.host_pool, self.config.storage,
                                               algo=self.config.cache.hash_algo,
                                               stats=self.stats, alloc=self._host_slots,
-                                              call_timeout_s=storage_timeout_s)
+                                              call_timeout_s=storage_timeout_s,
+                                              metrics=metrics)
             self.offload = DecodeOffloadManager(self.controller, stride=offload_stride)
 
     # -- the request path -----------------------------------------------------------------

@@ -28,15 +28,7 @@ import torch
 from pd_cache.core.config import PDCacheConfig
 from pd_cache.core.hashing import from_hex, namespace_seed
 from pd_cache.core.request import Req
-from pd_cache.core.vocab import (
-    GENERATED,
-    OFFLOAD,
-    PROMPT,
-    TIERS,
-    Event,
-    MissReason,
-    namespace_kind,
-)
+from pd_cache.core.vocab import TIERS, Event, MissReason, namespace_kind
 from pd_cache.core.wire import DecodeInfo, PrefillInfo, WorkerState
 from pd_cache.metrics import PDCacheMetrics
 from pd_cache.worker.batching import DecodeBatcher
@@ -59,8 +51,8 @@ class _Worker:
             raise ValueError(f"config: expected PDCacheConfig, got {type(config).__name__}")
         self.config, self.worker_id, self.metrics = config, worker_id, metrics
         self.page_size = config.cache.page_size
-        self.engine = LocalEngine(config, storage=storage, storage_timeout_s=storage_timeout_s)
-        self._offloaded = dict.fromkeys((PROMPT, GENERATED), 0)
+        self.engine = LocalEngine(config, storage=storage, storage_timeout_s=storage_timeout_s,
+                                  metrics=metrics)
 
     def page_names(self, req: Req) -> list[bytes]:
         """The request's prompt page names as this process's engine computes them (debug)."""
@@ -126,6 +118,9 @@ class PrefillWorker(_Worker):
         m, cached = self.metrics, sum(info.cached_tokens.values())
         m.count_tokens("prefill", "prompt", info.num_prompt_tokens)
         m.count_tokens("prefill", "computed", info.num_prompt_tokens - cached)
+        # NOTE: the engine looks up every full page before the last prompt token (whose
+        # logits give the first token, so it is always computed).
+        m.count_prefix_queries((info.num_prompt_tokens - 1) // self.page_size * self.page_size)
         for tier, n in info.cached_tokens.items():
             m.count_cached_tokens(tier, n)
         m.observe_ttft(info.compute_s, role="prefill")
@@ -142,7 +137,7 @@ class DecodeWorker(_Worker):
         """Concurrent ``decode`` calls share batched forward steps (``DecodeBatcher``), up to
         ``max_batch`` requests per step (1: one request at a time)."""
         super().__init__(config, **kwargs)
-        self.batcher = DecodeBatcher(self.engine, max_batch=max_batch)
+        self.batcher = DecodeBatcher(self.engine, max_batch=max_batch, metrics=self.metrics)
         self._record_lock = threading.Lock()
 
     def decode(self, req: Req, info: PrefillInfo, kv_pages: torch.Tensor,
@@ -175,7 +170,7 @@ class DecodeWorker(_Worker):
         result = DecodeInfo(req.rid, self.worker_id, tokens, int(received.shape[0]), refused,
                             handoff_s, time.perf_counter() - start)
         with self._record_lock:   # calls may run on several threads; metrics deltas may not
-            self._record(req, result, kv_pages)
+            self._record(req, info, result, kv_pages)
         yield result
 
     def cancel(self, rid: str) -> None:
@@ -202,7 +197,10 @@ class DecodeWorker(_Worker):
             return super().page_names(req)
         return self.engine.offload.compute_prefix_hash(req, req.input_ids)
 
-    def _record(self, req: Req, result: DecodeInfo, pages: torch.Tensor) -> None:
+    def _record(self, req: Req, info: PrefillInfo, result: DecodeInfo,
+                pages: torch.Tensor) -> None:
+        """Request-level figures; offloaded pages and inter-token times are recorded where
+        they happen (the tiering layer, the batcher)."""
         if self.metrics is None:
             return
         self._count_request(req)
@@ -210,10 +208,5 @@ class DecodeWorker(_Worker):
         m.count_tokens("decode", "generated", len(result.output_ids))
         m.observe_handoff(result.pages_received, pages.numel() * pages.element_size(),
                           result.handoff_s)
-        # NOTE: offload writes finish on the engine's background thread: export what has
-        # been acknowledged since the last request, by page kind.
-        for kind in (PROMPT, GENERATED):
-            done = self.engine.stats.get(OFFLOAD, kind)
-            m.count_offload(kind, done - self._offloaded[kind])
-            self._offloaded[kind] = done
+        m.observe_e2e(info.compute_s + result.handoff_s + result.decode_s)
         self._set_pools()

@@ -1,16 +1,21 @@
-"""Metrics of a real workload, scraped from the Ray metrics port over HTTP.
+"""Metrics of a real workload on a ``PDCluster`` (no Serve), scraped from the Ray metrics
+port over HTTP.
 
 A second turn served from L3 by the other prefill worker must show up as cached storage
-tokens; a corrupted L3 record as a storage miss with reason ``verification_failed``. L3 is
-the ``disk`` backend, so the corruption is a flipped byte in a record file and the shard
-itself finds it (the tier exports its own counts to the metrics port).
+tokens and prefetched pages; write-through and offload as written pages; a corrupted L3
+record as a storage miss with reason ``verification_failed``. L3 is the ``disk`` backend,
+so the corruption is a flipped byte in a record file and the shard itself finds it (the
+tier exports its own counts to the metrics port). Every series the Grafana dashboard
+queries must be exported, and still be after the storage actor restarts.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import random
+import re
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -23,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pd_cache.cluster.pd_cluster import PDCluster
 from pd_cache.core.cluster_config import ClusterConfig
 from pd_cache.core.request import Req
+from pd_cache.metrics import RAY_PREFIX
 from pd_cache.worker.model import Model, reference_generate
 
 ray = pytest.importorskip("ray")
@@ -32,6 +38,8 @@ CONFIG = ClusterConfig(num_prefill=2, num_decode=1, num_storage=1, model="tiny",
                        device_pages=64, host_pages=128, storage_timeout_s=5.0,
                        metrics_interval_s=0.5)
 VOCAB = CONFIG.pd_config.model.vocab_size
+NEW_TOKENS = 4
+DASHBOARD = Path(__file__).resolve().parents[2] / "k8s" / "grafana" / "pd-cache-dashboard.json"
 
 
 @pytest.fixture(scope="module")
@@ -72,25 +80,48 @@ def worker_id(actor: Any) -> str:
         lambda _: ray.get_runtime_context().get_worker_id()))
 
 
-def scrape(port: int, name: str, label: tuple[str, str], worker: str) -> float:
+def samples(port: int) -> list[Any]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
         text = resp.read().decode("utf-8")
+    return [s for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name.startswith(RAY_PREFIX + "pd_cache_")]
+
+
+def scrape(port: int, name: str, label: tuple[str, str] | None, worker: str) -> float:
+    """The sum of ``name`` over the samples of one process (and one label value)."""
     total = 0.0
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            # NOTE: other tests share the cluster: count only the process we name.
-            if (s.name == name and s.labels.get(label[0]) == label[1]
-                    and s.labels.get("WorkerId") == worker):
-                total += s.value
+    for s in samples(port):
+        # NOTE: other tests share the cluster: count only the process we name.
+        if (s.name == name and (label is None or s.labels.get(label[0]) == label[1])
+                and s.labels.get("WorkerId") == worker):
+            total += s.value
     return total
 
 
-def poll(port: int, name: str, label: tuple[str, str], worker: str, want: float) -> float:
+def poll(port: int, name: str, label: tuple[str, str] | None, worker: str,
+         want: float) -> float:
     deadline = time.monotonic() + 30
     while True:
         got = scrape(port, name, label, worker)
         if got == want or time.monotonic() > deadline:
             return got
+        time.sleep(0.5)
+
+
+def dashboard_series() -> set[str]:
+    exprs = [t["expr"] for panel in json.loads(DASHBOARD.read_text())["panels"]
+             for t in panel["targets"]]
+    return {name for expr in exprs for name in re.findall(r"ray_pd_cache_\w+", expr)}
+
+
+def missing_series(port: int, workers: set[str]) -> set[str]:
+    """Dashboard series that none of ``workers`` exports yet (waits up to 30 s)."""
+    deadline = time.monotonic() + 30
+    while True:
+        got = {s.name for s in samples(port) if s.labels.get("WorkerId") in workers}
+        missing = dashboard_series() - got
+        if not missing or time.monotonic() > deadline:
+            return missing
         time.sleep(0.5)
 
 
@@ -101,9 +132,10 @@ def test_l3_reuse_and_a_corrupted_record_reach_the_metrics_port(cluster: PDClust
 
     def run(input_ids: list[int], worker: int) -> Any:
         req = Req(rid=f"m{random.random()}", input_ids=input_ids, cache_salt="tenant-m",
-                  max_new_tokens=4)
+                  max_new_tokens=NEW_TOKENS)
         out = cluster.generate(req, prefill_worker=worker)
-        ref = reference_generate(model, Req(rid="ref", input_ids=input_ids, max_new_tokens=4))
+        ref = reference_generate(model, Req(rid="ref", input_ids=input_ids,
+                                            max_new_tokens=NEW_TOKENS))
         assert out.output_ids == ref.output_ids
         cluster.flush()  # write-through and offload done before the next turn looks
         return out
@@ -136,3 +168,54 @@ def test_l3_reuse_and_a_corrupted_record_reach_the_metrics_port(cluster: PDClust
     got = poll(port, "ray_pd_cache_storage_misses_total", ("reason", "verification_failed"),
                worker_id(tier), failed)
     assert got == failed > 0
+
+    # Every series the dashboard queries is exported by this cluster's processes, and the
+    # counters equal what the workload counted, each in the process that did the work.
+    workers = {worker_id(a) for a in [*cluster.prefill, *cluster.decode, tier]}
+    assert not missing_series(port, workers)
+    p1 = worker_id(cluster.prefill[1])
+    assert poll(port, "ray_pd_cache_prefetch_pages_total", None, p1,
+                storage_tokens // PS) == storage_tokens // PS
+    assert poll(port, "ray_pd_cache_prefetch_seconds_count", ("outcome", "failed"), p1,
+                1) == 1   # the corrupted prompt: L3 claimed its pages, none arrived
+    for actor in [*cluster.prefill, *cluster.decode]:
+        writes = sum(ray.get(actor.l3_writes.remote()).values())
+        assert poll(port, "ray_pd_cache_backup_pages_total", ("outcome", "ok"),
+                    worker_id(actor), writes) == writes
+    (decode,) = cluster.decode
+    stats, dw = ray.get(decode.engine_stats.remote()), worker_id(decode)
+    for kind in ("prompt", "generated"):
+        want = stats.get(f"offload/{kind}", 0)
+        assert poll(port, "ray_pd_cache_offload_pages_total", ("page_kind", kind), dw,
+                    want) == want
+    assert stats["offload/generated"] > 0   # prompt pages: prefill wrote them through first
+    requests = 4
+    assert poll(port, "ray_pd_cache_inter_token_seconds_count", None, dw,
+                requests * (NEW_TOKENS - 1)) == requests * (NEW_TOKENS - 1)
+    assert poll(port, "ray_pd_cache_e2e_seconds_count", None, dw, requests) == requests
+    assert poll(port, "ray_pd_cache_queue_seconds_count", None, dw, requests) == requests
+
+
+def test_no_dashboard_series_goes_missing_across_a_storage_restart(cluster: PDCluster,
+                                                                    ray_cluster: Any) -> None:
+    (tier,) = cluster.storage
+    before = ray.get(tier.ping.remote())
+    ray.kill(tier, no_restart=False)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if ray.get(tier.ping.remote(), timeout=10) != before:
+                break
+        except ray.exceptions.RayError:
+            pass
+        assert time.monotonic() < deadline, "the storage actor did not come back"
+        time.sleep(0.5)
+    # The restarted disk shard serves what it had stored; one more round of traffic.
+    prompt = tokens(5, 18)
+    for worker in (0, 1):
+        req = Req(rid=f"r{worker}", input_ids=prompt, cache_salt="tenant-r",
+                  max_new_tokens=NEW_TOKENS)
+        cluster.generate(req, prefill_worker=worker)
+        cluster.flush()
+    workers = {worker_id(a) for a in [*cluster.prefill, *cluster.decode, tier]}
+    assert not missing_series(ray_cluster.metrics_port, workers)

@@ -40,7 +40,10 @@ class MetricsProbe:
         m.count_cached_tokens("storage", 48)
         m.count_cached_tokens("host", 16)
         m.observe_prefetch(3, 3 * 4096, 0.004)
-        m.observe_backup(1, 4096, 0.002)
+        m.observe_backup(1, 4096, 0.002, outcome="short")
+        m.count_prefix_queries(80)
+        m.observe_e2e(0.4)
+        m.observe_queue(0.001)
         m.observe_handoff(5, 5 * 4096, 0.0008)
         m.count_offload("generated", 2)
         m.set_pool("host", 7, 1024)
@@ -91,10 +94,13 @@ def expected() -> Samples:
         key("pd_cache_storage_misses_total", reason="timeout"): 2,
         key("pd_cache_storage_events_total", backend="memory", event="hit"): 5,
         key("pd_cache_storage_events_total", backend="memory", event="miss"): 1,
-        key("pd_cache_prefetch_pages_total", backend="memory"): 3,
-        key("pd_cache_prefetch_bytes_total", backend="memory"): 3 * 4096,
-        key("pd_cache_prefetch_seconds_count", backend="memory"): 1,
-        key("pd_cache_backup_bytes_total", backend="memory"): 4096,
+        key("pd_cache_prefetch_pages_total", backend="memory", outcome="ok"): 3,
+        key("pd_cache_prefetch_bytes_total", backend="memory", outcome="ok"): 3 * 4096,
+        key("pd_cache_prefetch_seconds_count", backend="memory", outcome="ok"): 1,
+        key("pd_cache_backup_bytes_total", backend="memory", outcome="short"): 4096,
+        key("pd_cache_prefix_cache_queries_tokens_total"): 80,
+        key("pd_cache_e2e_seconds_count"): 1,
+        key("pd_cache_queue_seconds_count", role="decode"): 1,
         key("pd_cache_handoff_pages_total"): 5,
         key("pd_cache_handoff_bytes_total"): 5 * 4096,
         key("pd_cache_handoff_seconds_count"): 1,

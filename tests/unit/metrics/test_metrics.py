@@ -70,7 +70,7 @@ def test_every_instrument_is_served_over_http(served):
     metrics.count_miss("timeout", 3)
     metrics.count_storage_stats({"hit/": 9, "miss/not_stored": 2}, backend="memory")
     metrics.observe_prefetch(4, 4096, 0.003, backend="disk")
-    metrics.observe_prefetch(2, 2048, 0.2, backend="disk")
+    metrics.observe_prefetch(2, 2048, 0.2, backend="disk", outcome="short")
     metrics.observe_backup(5, 5120, 0.04)
     metrics.observe_handoff(6, 6144, 0.0007)
     metrics.count_offload("prompt", 2)
@@ -82,6 +82,9 @@ def test_every_instrument_is_served_over_http(served):
     for s in ttft:
         metrics.observe_ttft(s, "decode")
     metrics.observe_inter_token(0.02, "decode")
+    metrics.observe_e2e(0.5)
+    metrics.observe_queue(0.002, "decode")
+    metrics.count_prefix_queries(96)
 
     got = scrape(url)
     names = {name for name, _ in got}
@@ -101,10 +104,13 @@ def test_every_instrument_is_served_over_http(served):
     assert value(got, "pd_cache_storage_misses_total", reason="timeout") == 3
     assert value(got, "pd_cache_storage_misses_total", reason="not_stored") == 2
     assert value(got, "pd_cache_storage_events_total", backend="memory", event="hit") == 9
-    assert value(got, "pd_cache_prefetch_pages_total", backend="disk") == 6
-    assert value(got, "pd_cache_prefetch_bytes_total", backend="disk") == 6144
-    assert value(got, "pd_cache_prefetch_seconds_count", backend="disk") == 2
-    assert value(got, "pd_cache_backup_bytes_total", backend="memory") == 5120
+    assert value(got, "pd_cache_prefetch_pages_total", backend="disk", outcome="ok") == 4
+    assert value(got, "pd_cache_prefetch_bytes_total", backend="disk", outcome="short") == 2048
+    assert value(got, "pd_cache_prefetch_seconds_count", backend="disk", outcome="ok") == 1
+    assert value(got, "pd_cache_backup_bytes_total", backend="memory", outcome="ok") == 5120
+    assert value(got, "pd_cache_prefix_cache_queries_tokens_total") == 96
+    assert value(got, "pd_cache_e2e_seconds_count") == 1
+    assert value(got, "pd_cache_queue_seconds_bucket", role="decode", le="0.005") == 1
     assert value(got, "pd_cache_handoff_pages_total") == 6
     assert value(got, "pd_cache_handoff_seconds_bucket", le="0.001") == 1
     assert value(got, "pd_cache_handoff_seconds_bucket", le="0.0005") == 0
@@ -126,6 +132,8 @@ def test_every_instrument_is_served_over_http(served):
     (lambda m: m.count_miss("lora-adapter-17"), "lora-adapter-17"),
     (lambda m: m.observe_prefetch(1, 10, 0.1, backend="s3"), "s3"),
     (lambda m: m.count_offload("decode", 1), "decode"),
+    (lambda m: m.observe_backup(1, 10, 0.1, outcome="tenant-a"), "tenant-a"),
+    (lambda m: m.observe_queue(-0.1), "-0.1"),
     (lambda m: m.set_pool("l4", 1, 2), "l4"),
     (lambda m: m.observe_ttft(0.1, role="user-42"), "user-42"),
     (lambda m: m.count_cached_tokens("host", -1), "-1"),
