@@ -21,11 +21,13 @@ $(VENV)/.installed-test: pyproject.toml setup.py pd_cache/core/_chain.c | $(PY)
 	$(PIP) install --quiet -e '.[test]'
 	touch $@ $(VENV)/.installed
 
+# NOTE: no RAY_AUTH_MODE here: each Ray cluster that pd-cache or the tests start makes a
+# token of its own and admits only its own processes (pd_cache/app/session.py).
 run: $(VENV)/.installed
-	RAY_AUTH_MODE=disabled $(VENV)/bin/pd-cache run $(ARGS)
+	$(VENV)/bin/pd-cache run $(ARGS)
 
 test: $(VENV)/.installed-test
-	RAY_AUTH_MODE=disabled $(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check pd_cache tests benchmarks

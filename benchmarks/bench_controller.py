@@ -9,7 +9,7 @@ namespace (``cache_salt``):
   zero-reuse overhead: unique prompts through an engine with L3 vs one without (prefill
            wall time; the write-through runs in the background and is flushed untimed)
 The main figures use an in-process ``memory`` backend; ``--ray`` adds one StorageTier
-actor on a throwaway local Ray cluster (``RAY_AUTH_MODE=disabled``), shut down at the end.
+actor on a throwaway local Ray cluster (a token of its own), shut down at the end.
 TTFT is ``engine.prefill`` wall time; headline figures use each case's fastest run.
 
     python benchmarks/bench_controller.py [--repeats R] [--threads N] [--ray]
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import time
@@ -131,21 +130,23 @@ def measure(label: str, cfg: PDCacheConfig, storage: StorageBackend, repeats: in
 
 
 def with_ray(fn: Callable[[StorageBackend], dict[str, Any]], cfg: PDCacheConfig) -> dict:
-    os.environ["RAY_AUTH_MODE"] = "disabled"
     import ray
 
+    from pd_cache.app.session import cluster_token
     from pd_cache.storage.client import StorageClient
     from pd_cache.storage.tier import storage_actors
 
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING",
-             runtime_env={"env_vars": {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1",
-                                       "OMP_NUM_THREADS": "1"}})
-    try:
-        handles = storage_actors(cfg)
-        ray.get([h.ping.remote() for h in handles])
-        return fn(StorageClient(handles, timeout_s=60.0))
-    finally:
-        ray.shutdown()
+    with cluster_token():   # a throwaway cluster of its own, token-authenticated
+        ray.init(address="local", num_cpus=2, include_dashboard=False,
+                 logging_level="WARNING",
+                 runtime_env={"env_vars": {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1",
+                                           "OMP_NUM_THREADS": "1"}})
+        try:
+            handles = storage_actors(cfg)
+            ray.get([h.ping.remote() for h in handles])
+            return fn(StorageClient(handles, timeout_s=60.0))
+        finally:
+            ray.shutdown()
 
 
 def _expect(ok: bool, problem: str) -> None:

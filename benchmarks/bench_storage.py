@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import os
 import random
 import statistics
 import time
@@ -51,6 +50,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pd_cache.app.session import cluster_token
 from pd_cache.core.config import CacheConfig, KVLayout, ModelConfig, PDCacheConfig, StorageConfig
 from pd_cache.core.hashing import namespace_seed, page_hashes
 from pd_cache.storage import ExtraInfo, PageRecord, PoolTransfer, make_record
@@ -398,15 +398,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--batch-pages", type=int, default=16)
     args = parser.parse_args()
-    os.environ["RAY_AUTH_MODE"] = "disabled"
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING",
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
-    try:
-        results = run(args)
-    finally:
-        ray.shutdown()
+    with cluster_token():   # a throwaway cluster of its own, token-authenticated
+        ray.init(address="local", num_cpus=2, include_dashboard=False,
+                 logging_level="WARNING", runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+        try:
+            results = run(args)
+        finally:
+            ray.shutdown()
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {RESULTS}")

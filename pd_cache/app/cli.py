@@ -95,7 +95,6 @@ def run_serve(args: argparse.Namespace) -> int:
                 serve.run(application, name=entry.name, route_prefix=entry.route_prefix)
                 print(f"{entry.name}: http://{_url_host(args.host)}:{port}{entry.route_prefix}",
                       flush=True)
-            print("serving; Ctrl-C to stop", flush=True)
             _wait_for_stop()
         finally:
             if args.address:  # a shared cluster: remove only what this command deployed
@@ -157,10 +156,13 @@ def _runtime_env(config: Any) -> dict[str, Any] | None:
 
 
 def _wait_for_stop() -> None:
-    """Block until Ctrl-C or SIGTERM (both end in a clean shutdown)."""
+    """Say it serves, then block until Ctrl-C or SIGTERM (both end in a clean shutdown,
+    exit 0). The handler is in place before the line is printed: whoever reacts to the
+    line by stopping the command is never early."""
     stop = threading.Event()
     previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
+        print("serving; Ctrl-C to stop", flush=True)
         while not stop.wait(0.5):
             pass
     except KeyboardInterrupt:

@@ -1,31 +1,135 @@
-"""The Ray session of a ``pd-cache`` command: join a cluster, or start a throwaway one."""
+"""The Ray session of a ``pd-cache`` command: join a cluster, or start a throwaway one.
+
+A throwaway cluster admits only its own processes. Ray's gRPC servers (GCS, raylet,
+workers) listen on every interface whatever node address they are given, so the cluster
+runs with Ray token authentication and a token of its own, made fresh for it and removed
+with it (``cluster_token``). A cluster joined with ``--address`` keeps its own
+authentication: nothing here touches it.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
-from typing import Any
+import secrets
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+# RAY_AUTH_TOKEN would take precedence over RAY_AUTH_TOKEN_PATH: it is unset for the cluster.
+AUTH_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN")
+TOKEN_FILE = "auth_token"
+
+
+class ClusterToken(NamedTuple):
+    token: str
+    path: str  # the 0600 file RAY_AUTH_TOKEN_PATH names, in a 0700 directory of its own
 
 
 @contextlib.contextmanager
 def ray_session(address: str | None = None, *, dashboard: bool = False,
                 runtime_env: dict[str, Any] | None = None) -> Iterator[None]:
-    """Join ``address``, or start a throwaway local cluster (auth off for it alone)."""
+    """Join ``address``, or start a throwaway local cluster with a token of its own.
+
+    SIGTERM (an orchestrator's stop) interrupts the body as Ctrl-C does; on the way out Ray
+    is shut down and the token removed, and an interrupt the body does not handle itself
+    ends the command with exit status 143 (130 after Ctrl-C) rather than a traceback.
+    """
     import ray
 
-    previous = os.environ.get("RAY_AUTH_MODE")
-    local: dict[str, Any] = {}
-    if not address:
-        os.environ["RAY_AUTH_MODE"] = "disabled"
-        local = {"num_cpus": max(4, os.cpu_count() or 1), "include_dashboard": dashboard}
-    ray.init(address=address, runtime_env=runtime_env, logging_level="WARNING", **local)
-    try:
+    with _interruptible() as arm, contextlib.ExitStack() as stack:
+        if address:
+            local: dict[str, Any] = {"address": address}
+        else:
+            auth = stack.enter_context(cluster_token())
+            # NOTE: "local" always starts a cluster; None would attach to RAY_ADDRESS or to
+            # any cluster already running on this machine.
+            local = {"address": "local", "num_cpus": max(4, os.cpu_count() or 1),
+                     "include_dashboard": dashboard}
+        context = ray.init(runtime_env=runtime_env, logging_level="WARNING", **local)
+        stack.callback(ray.shutdown)
+        arm()
+        if dashboard and not address and context.dashboard_url:
+            print(f"Ray dashboard: http://{context.dashboard_url} (it asks for the token in "
+                  f"{auth.path}, removed when this command ends)", file=sys.stderr, flush=True)
         yield
+
+
+@contextlib.contextmanager
+def cluster_token() -> Iterator[ClusterToken]:
+    """Token authentication for the Ray cluster this process starts next.
+
+    Writes a fresh random token to a private file (0600, in a new 0700 temporary
+    directory) and sets ``RAY_AUTH_MODE=token`` and ``RAY_AUTH_TOKEN_PATH`` in
+    ``os.environ`` (``RAY_AUTH_TOKEN`` unset): every process the cluster starts (GCS,
+    raylet, workers, actors, Serve) inherits them, and Ray neither generates a token nor
+    writes ``~/.ray/auth_token``. On exit the environment is restored and the file removed;
+    call it around the cluster's whole life (start to shutdown).
+    """
+    private = tempfile.mkdtemp(prefix="pd-cache-ray-")  # mode 0700
+    try:
+        token = secrets.token_hex(32)
+        path = os.path.join(private, TOKEN_FILE)
+        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            f.write(token)
+        saved = {name: os.environ.get(name) for name in AUTH_ENV}
+        os.environ.pop("RAY_AUTH_TOKEN", None)
+        os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=path)
+        _reload_ray_auth()
+        try:
+            yield ClusterToken(token, path)
+        finally:
+            for name, value in saved.items():
+                _restore(name, value)
+            _reload_ray_auth()
     finally:
-        ray.shutdown()
-        if not address:
-            _restore("RAY_AUTH_MODE", previous)
+        shutil.rmtree(private, ignore_errors=True)
+
+
+def _reload_ray_auth() -> None:
+    # NOTE: this process reads RAY_AUTH_MODE into Ray's config when ray is imported and
+    # caches the first token it loads; both are reloaded from the environment just set (as
+    # Ray does when it turns authentication on itself), or the driver would not send the
+    # token its own cluster asks for.
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
+@contextlib.contextmanager
+def _interruptible() -> Iterator[Callable[[], None]]:
+    """Yields ``arm``: from then on SIGTERM raises ``KeyboardInterrupt`` as SIGINT does, so
+    every ``finally`` on the way out runs; either ends in ``SystemExit(128 + signal)``.
+
+    NOTE: ``ray.init`` installs SIGTERM handlers of its own (the core worker's dumps a stack
+    and aborts the driver, skipping every cleanup), so ``arm`` is called after it; the
+    handler from before the session is restored at its end.
+    """
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM)
+    received = [signal.SIGINT]
+
+    def interrupt(signum: int, _frame: Any) -> None:
+        received[0] = signal.Signals(signum)
+        raise KeyboardInterrupt
+
+    def arm() -> None:
+        if main:
+            signal.signal(signal.SIGTERM, interrupt)
+
+    try:
+        yield arm
+    except KeyboardInterrupt:
+        print(f"pd-cache: stopped by {received[0].name}", file=sys.stderr, flush=True)
+        raise SystemExit(128 + received[0]) from None
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def _restore(name: str, value: str | None) -> None:

@@ -1,13 +1,19 @@
-"""One local Ray cluster per pytest session; actors are reused through fixtures."""
+"""One local Ray cluster per pytest session; actors are reused through fixtures.
+
+Every cluster the tests start is a throwaway one that admits only its own processes: one
+fresh token per pytest session (``cluster_token``), in the environment of every Ray process
+they start, the multi-node module's cluster included.
+"""
 
 from __future__ import annotations
 
-import os
 import socket
 from collections.abc import Iterator
 from typing import NamedTuple
 
 import pytest
+
+from pd_cache.app.session import ClusterToken, cluster_token
 
 ray = pytest.importorskip("ray")
 
@@ -36,8 +42,14 @@ def _free_port(low: int = 20000, high: int = 30000) -> int:
 
 
 @pytest.fixture(scope="session")
-def ray_cluster() -> Iterator[RayCluster]:
-    os.environ["RAY_AUTH_MODE"] = "disabled"
+def ray_token() -> Iterator[ClusterToken]:
+    """Token authentication for every Ray cluster of this pytest session."""
+    with cluster_token() as token:
+        yield token
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(ray_token: ClusterToken) -> Iterator[RayCluster]:
     port = _free_port()
     # NOTE: address="local" always starts a cluster of its own: never attach a test session
     # to some other Ray cluster that happens to run on this machine.

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import pytest
 
+from pd_cache.app.session import ClusterToken
 from pd_cache.app.workload import WorkloadConfig, make_conversations
 from pd_cache.cluster.pd_cluster import PDCluster
 from pd_cache.core.cluster_config import ClusterConfig
@@ -47,7 +48,7 @@ class Nodes(NamedTuple):
 
 
 @pytest.fixture(scope="module")
-def nodes(request: pytest.FixtureRequest) -> Iterator[Nodes]:
+def nodes(request: pytest.FixtureRequest, ray_token: ClusterToken) -> Iterator[Nodes]:
     # NOTE: the session's single-node Ray (if a test before started it) cannot stay: a
     # driver talks to one cluster. It is ended here and not restarted, which is safe only
     # while no test after this module needs it.
@@ -58,7 +59,7 @@ def nodes(request: pytest.FixtureRequest) -> Iterator[Nodes]:
     assert not later, f"these need the session's Ray but run after the multinode tests: {later}"
     ray.shutdown()
     with pytest.MonkeyPatch.context() as env:
-        env.setenv("RAY_AUTH_MODE", "disabled")   # a throwaway cluster, as in the conftest
+        # both nodes inherit the session's token authentication (ray_token, in the conftest)
         # NOTE: the nodes bind 127.0.0.1; without this, ray.init resolves the loopback
         # address it is given to the machine's address, where nothing listens.
         env.setattr(ray._private.ray_constants, "ENABLE_RAY_CLUSTER", False)
