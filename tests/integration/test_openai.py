@@ -5,7 +5,6 @@ shape, backpressure. Real HTTP on 127.0.0.1."""
 from __future__ import annotations
 
 import json
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -23,18 +22,12 @@ openai = pytest.importorskip("openai")
 serve = pytest.importorskip("ray.serve")
 ray = pytest.importorskip("ray")
 
-from pd_cache.cluster.serve import app_builder  # noqa: E402  (needs ray[serve])
+from tests.integration.serving import running_app  # noqa: E402  (needs ray[serve])
 
 APP = "pd-cache-openai"
 MODEL = ModelConfig.preset("tiny")
 KEYS = {"sk-acme-0001": "acme", "sk-zeta-0002": "zeta",
         "sk-ops-00003": {"tenant": "ops", "admin": True}}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -44,14 +37,8 @@ def url(ray_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     args = {"model": "tiny", "page_size": 4, "num_prefill": 1, "num_decode": 1,
             "num_storage": 1, "device_pages": 64, "host_pages": 128, "cluster_name": None,
             "api_keys_file": str(keys), "max_pending": 3}
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    try:
-        serve.run(app_builder(args), name=APP, route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.delete(APP)
-        serve.shutdown()
+    with running_app(args, APP) as url:
+        yield url
     secret = Path(str(keys) + ".secret")
     assert secret.stat().st_mode & 0o777 == 0o600    # created private on first start
 

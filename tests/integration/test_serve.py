@@ -11,7 +11,6 @@ import json
 import os
 import random
 import signal
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -30,6 +29,7 @@ serve = pytest.importorskip("ray.serve")
 ray = pytest.importorskip("ray")
 
 from pd_cache.cluster.serve import AppArgs, app_builder  # noqa: E402  (needs ray[serve])
+from tests.integration.serving import free_port  # noqa: E402
 
 SERVE_CONFIG = Path(__file__).resolve().parents[2] / "deployments" / "serve_config.yaml"
 ARGS = {"model": "tiny", "page_size": 4, "num_prefill": 2, "num_decode": 1,
@@ -39,12 +39,6 @@ ARGS = {"model": "tiny", "page_size": 4, "num_prefill": 2, "num_decode": 1,
         "cluster_name": None}   # an unnamed cluster: its actors go with the replica
 MODEL = ModelConfig.preset("tiny")
 APP = "pd-cache-test"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _alive_actors(class_name: str) -> dict[str, int]:
@@ -63,7 +57,7 @@ class Server(NamedTuple):
 
 @pytest.fixture(scope="module")
 def server(ray_cluster: Any) -> Iterator[Server]:
-    port = _free_port()
+    port = free_port()
     before = _alive_actors("DecodeActor")
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:

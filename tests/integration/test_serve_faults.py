@@ -8,7 +8,6 @@ import json
 import os
 import random
 import signal
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -25,7 +24,7 @@ from pd_cache.worker.model import Model
 serve = pytest.importorskip("ray.serve")
 ray = pytest.importorskip("ray")
 
-from pd_cache.cluster.serve import app_builder  # noqa: E402  (needs ray[serve])
+from tests.integration.serving import running_app  # noqa: E402  (needs ray[serve])
 
 NAME = "pd-cache-faults"
 APP = "pd-cache-faults-app"
@@ -35,22 +34,12 @@ ARGS = {"model": "tiny", "page_size": 4, "num_prefill": 2, "num_decode": 2, "num
 MODEL = ModelConfig.preset("tiny")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def url(ray_cluster: Any) -> Iterator[str]:
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
-        serve.run(app_builder(ARGS), name=APP, route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
+        with running_app(ARGS, APP) as url:
+            yield url
     finally:
-        serve.delete(APP)
-        serve.shutdown()
         assert PDCluster.destroy(NAME) == 5   # the named actors outlived the replica
 
 
