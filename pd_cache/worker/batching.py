@@ -65,7 +65,8 @@ class DecodeBatcher:
         self.engine, self.max_batch, self.metrics = engine, max_batch, metrics
         self._last_token: dict[int, float] = {}   # id(seq) -> when it last got a token
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._cancelled: set[str] = set()
+        self._live: set[str] = set()        # rids handed in and not settled yet
+        self._cancelled: set[str] = set()   # a subset of them
         self._thread = threading.Thread(target=self._loop, name="pd-cache-decode",
                                         daemon=True)
         self._closed = False
@@ -85,13 +86,21 @@ class DecodeBatcher:
         if self._closed:
             raise RuntimeError("DecodeBatcher: closed")
         done: Future[list[int]] = Future()
+        self._live.add(req.rid)
+        done.add_done_callback(lambda _: self._forget(req.rid))   # however it ends
         self._queue.put(_Job(req, pages, num_prompt_tokens, first_token, done, on_token,
                              time.perf_counter()))
         return done
 
     def cancel(self, rid: str) -> None:
-        """Drop request ``rid`` at the next step (its future gets ``CancelledError``)."""
-        self._cancelled.add(rid)
+        """Drop request ``rid`` at the next step (its future gets ``CancelledError``); a rid
+        that is not in flight (finished, or never handed in) is ignored."""
+        if rid in self._live:
+            self._cancelled.add(rid)
+
+    def _forget(self, rid: str) -> None:
+        self._live.discard(rid)
+        self._cancelled.discard(rid)
 
     def close(self) -> None:
         """Finish the requests already handed in, then stop the thread."""
@@ -168,7 +177,6 @@ class DecodeBatcher:
         """Drop a request past its deadline (``DeadlineExceeded``) or cancelled."""
         rid = job.req.rid
         if rid in self._cancelled:
-            self._cancelled.discard(rid)
             self.engine.stats.count(DEADLINE, "cancelled")
             job.done.set_exception(CancelledError(f"request {rid}: cancelled"))
             return True
@@ -187,5 +195,4 @@ class DecodeBatcher:
             job.done.set_result(self.engine.finish_decode(seq))
         except Exception as e:  # noqa: BLE001
             job.done.set_exception(e)
-        self._cancelled.discard(job.req.rid)
         return True

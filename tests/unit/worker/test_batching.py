@@ -1,0 +1,53 @@
+"""The decode batcher streams each token as it is drawn and drops a cancelled request."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import CancelledError
+
+import pytest
+
+from pd_cache.core.request import Req
+from pd_cache.worker.batching import DecodeBatcher
+from pd_cache.worker.engine import LocalEngine
+from pd_cache.worker.model import reference_generate
+from tests.unit.worker.test_workers import CONFIG, prompt
+
+
+def test_tokens_stream_in_order_and_a_cancelled_request_leaves_the_batch() -> None:
+    engine = LocalEngine(CONFIG)
+    batcher = DecodeBatcher(engine, max_batch=4)
+    keep = Req(rid="keep", input_ids=prompt(1, 13), max_new_tokens=12)
+    drop = Req(rid="drop", input_ids=prompt(2, 11), max_new_tokens=500)
+    seen: dict[str, list[int]] = {"keep": [], "drop": []}
+    started = threading.Event()
+
+    def watch(rid: str):
+        def on_token(token: int) -> None:
+            seen[rid].append(token)
+            if rid == "drop" and len(seen[rid]) == 3:
+                started.set()
+        return on_token
+
+    futures = {}
+    for r in (keep, drop):
+        out = engine.prefill(r)
+        futures[r.rid] = batcher.submit(r, out.kv_pages, out.num_prompt_tokens,
+                                        out.first_token, watch(r.rid))
+    assert started.wait(30)
+    batcher.cancel("drop")
+    with pytest.raises(CancelledError):
+        futures["drop"].result(30)
+    tokens = futures["keep"].result(30)
+    assert tokens == reference_generate(engine.model, Req(rid="ref", input_ids=keep.input_ids,
+                                                          max_new_tokens=12)).output_ids
+    assert seen["keep"] == tokens[1:]                 # streamed: every token after the first
+    assert len(seen["drop"]) < 100                    # it stopped costing steps
+    assert engine.stats.get("deadline", "cancelled") == 1
+    batcher.cancel("keep")                            # finished: ignored, nothing kept
+    assert not batcher._cancelled and not batcher._live
+    again = engine.prefill(Req(rid="keep", input_ids=keep.input_ids, max_new_tokens=12))
+    assert batcher.submit(keep, again.kv_pages, again.num_prompt_tokens,
+                          again.first_token).result(30) == tokens   # the rid is not cursed
+    batcher.close()
+    engine.close()
