@@ -152,6 +152,14 @@ class PDCacheMetrics:
         self._record("pd_cache_pool_used_pages", used, "used", tier=tier)
         self._record("pd_cache_pool_capacity_pages", capacity, "capacity", tier=tier)
 
+    def set_storage_usage(self, used: int, capacity: int, backend: str = "memory") -> None:
+        """One L3 shard's bytes held and capacity (each shard reports its own)."""
+        spec = METRIC_NAMES["pd_cache_storage_used_bytes"]
+        if amount(spec, "used", used) > amount(spec, "capacity", capacity):
+            raise ValueError(f"{spec.name}: used={used} exceeds capacity={capacity}")
+        self._record("pd_cache_storage_used_bytes", used, "used", backend=backend)
+        self._record("pd_cache_storage_capacity_bytes", capacity, "capacity", backend=backend)
+
     # -- exposition ------------------------------------------------------------------------
     def exposition(self) -> str:
         """The Prometheus text format of this instance (prometheus exporter only)."""

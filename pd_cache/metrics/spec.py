@@ -111,6 +111,8 @@ METRICS: tuple[MetricSpec, ...] = (
     _c("pd_cache_offload_pages_total", ("page_kind",), "Pages the decode side offloaded to L3."),
     _g("pd_cache_pool_used_pages", ("tier",), "Pages in use in a tier's pool."),
     _g("pd_cache_pool_capacity_pages", ("tier",), "Capacity of a tier's pool in pages."),
+    _g("pd_cache_storage_used_bytes", ("backend",), "Bytes one L3 shard holds."),
+    _g("pd_cache_storage_capacity_bytes", ("backend",), "Capacity of one L3 shard in bytes."),
     _h("pd_cache_ttft_seconds", ("role",), "Time to first token.", TTFT_BUCKETS),
     _h("pd_cache_inter_token_seconds", ("role",), "Time between two output tokens.",
        TOKEN_BUCKETS),

@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable
 
 from pd_cache.metrics import PDCacheMetrics
+from pd_cache.storage.base import Usage
 
 log = logging.getLogger(__name__)
 
@@ -23,10 +24,12 @@ class StatsExporter:
     """Exports ``snapshot()`` through ``metrics`` now and every ``interval_s`` after ``start``."""
 
     def __init__(self, snapshot: Callable[[], dict[str, int]], backend: str, source: str,
-                 interval_s: float, metrics: PDCacheMetrics | None = None) -> None:
+                 interval_s: float, metrics: PDCacheMetrics | None = None,
+                 usage: Callable[[], Usage] | None = None) -> None:
         if not interval_s > 0:
             raise ValueError(f"interval_s: expected a number > 0, got {interval_s!r}")
         self.snapshot, self.backend, self.source = snapshot, backend, source
+        self.usage = usage
         self.interval_s = interval_s
         self.metrics = metrics if metrics is not None else PDCacheMetrics("auto")
         self._stop = threading.Event()
@@ -34,9 +37,12 @@ class StatsExporter:
                                         daemon=True)
 
     def export(self) -> None:
-        """Add what the shard counted since the last export."""
+        """Add what the shard counted since the last export; set its bytes held."""
         self.metrics.count_storage_stats(self.snapshot(), backend=self.backend,
                                          source=self.source)
+        if self.usage is not None:
+            now = self.usage()
+            self.metrics.set_storage_usage(now.bytes, now.capacity_bytes, self.backend)
 
     def start(self) -> StatsExporter:
         self._thread.start()

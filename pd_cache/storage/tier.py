@@ -49,8 +49,8 @@ class StorageTier:
         self.exporter: StatsExporter | None = None
         if _in_ray() if export_stats is None else export_stats:
             self.exporter = StatsExporter(self.backend.stats, config.storage.backend,
-                                          f"shard{shard}",
-                                          config.storage.metrics_interval_s).start()
+                                          f"shard{shard}", config.storage.metrics_interval_s,
+                                          usage=self.backend.usage).start()
 
     def batch_exists_v2(self, transfers: Sequence[PoolTransfer],
                         extra_info: ExtraInfo | None = None) -> PoolHits:

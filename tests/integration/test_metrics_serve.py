@@ -94,3 +94,17 @@ def test_every_dashboard_series_is_fed_through_the_serve_app(url: str,
     port = ray_cluster.metrics_port
     assert not missing_series(port, worker_ids())
     assert any(s.name == RAY_PREFIX + "pd_cache_prefetch_pages_total" for s in samples(port))
+    shard = ray.get(actor("storage", 0).__ray_call__.remote(
+        lambda _: ray.get_runtime_context().get_worker_id()))
+    usage = ray.get(actor("storage", 0).usage.remote())
+    deadline = time.monotonic() + 30
+    while True:   # each shard reports its own bytes held and capacity
+        gauges = {s.name: s.value for s in samples(port) if s.labels.get("WorkerId") == shard
+                  and s.name.startswith(RAY_PREFIX + "pd_cache_storage_")
+                  and s.name.endswith("_bytes")}
+        if gauges.get(RAY_PREFIX + "pd_cache_storage_used_bytes", 0) > 0 \
+                or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert gauges[RAY_PREFIX + "pd_cache_storage_capacity_bytes"] == usage.capacity_bytes
+    assert 0 < gauges[RAY_PREFIX + "pd_cache_storage_used_bytes"] <= usage.capacity_bytes

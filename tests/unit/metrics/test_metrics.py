@@ -77,6 +77,7 @@ def test_every_instrument_is_served_over_http(served):
     metrics.count_offload("generated", 1)
     metrics.set_pool("device", 10, 256)
     metrics.set_pool("device", 12, 256)  # a gauge keeps the last value
+    metrics.set_storage_usage(3 << 20, 1 << 30, "disk")
     metrics.set_pool("storage", 0, 4096)
     ttft = [0.003, 0.2, 0.2, 7.0]
     for s in ttft:
@@ -157,7 +158,8 @@ def test_vocabularies_are_fixed_and_names_follow_the_convention():
     assert set(VOCABULARIES["reason"]) == {"not_stored", "evicted", "verification_failed",
                                            "namespace_refused", "timeout", "storage_error",
                                            "cross_namespace"}
-    suffix = {"counter": "_total", "histogram": "_seconds", "gauge": "_pages"}
+    suffix = {"counter": ("_total",), "histogram": ("_seconds",),
+              "gauge": ("_pages", "_bytes")}
     for spec in METRICS:
         assert spec.name.startswith("pd_cache_") and spec.name.endswith(suffix[spec.kind])
         assert set(spec.labels) <= set(VOCABULARIES), spec.name
