@@ -47,6 +47,7 @@ class MetricsProbe:
         m.observe_handoff(5, 5 * 4096, 0.0008)
         m.count_offload("generated", 2)
         m.set_pool("host", 7, 1024)
+        m.set_storage_usage(3 * 4096, 1 << 20, "memory")
         m.observe_ttft(0.03, "decode")
         m.observe_ttft(0.3, "decode")
         m.observe_inter_token(0.004, "decode")
@@ -107,6 +108,8 @@ def expected() -> Samples:
         key("pd_cache_offload_pages_total", page_kind="generated"): 2,
         key("pd_cache_pool_used_pages", tier="host"): 7,
         key("pd_cache_pool_capacity_pages", tier="host"): 1024,
+        key("pd_cache_storage_used_bytes", backend="memory"): 3 * 4096,
+        key("pd_cache_storage_capacity_bytes", backend="memory"): 1 << 20,
         key("pd_cache_ttft_seconds_count", role="decode"): 2,
         key("pd_cache_inter_token_seconds_count", role="decode"): 1,
     }
