@@ -76,8 +76,7 @@ class Liveness:
         """Ping every worker (at most ``timeout_s``); the ones that answered. Updates the
         router: a worker that answers is up, one that fails is down."""
         self.refresh()
-        pings = [asyncio.wait_for(_future(a.ready.remote()), timeout_s) for a in self.actors]
-        answers = await asyncio.gather(*pings, return_exceptions=True)
+        answers = await ping_all([a.ready.remote() for a in self.actors], timeout_s)
         live = []
         for worker, answer in enumerate(answers):
             if isinstance(answer, BaseException):
@@ -91,7 +90,9 @@ class Liveness:
         return live
 
 
-def _future(ref: Any) -> Any:
+async def ping_all(refs: Sequence[Any], timeout_s: float) -> list[Any]:
+    """Each call's answer, or the exception it ended with (a timeout after ``timeout_s``)."""
     # NOTE: wait_for cancels what it awaits on timeout; an ObjectRef wrapped as a future
     # can be cancelled without touching the actor.
-    return asyncio.wrap_future(ref.future())
+    waits = [asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout_s) for ref in refs]
+    return await asyncio.gather(*waits, return_exceptions=True)

@@ -28,7 +28,7 @@ import time
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any
 
-from pd_cache.cluster.health import Liveness, WorkerDied, worker_died
+from pd_cache.cluster.health import Liveness, WorkerDied, ping_all, worker_died
 from pd_cache.cluster.operations import NAMESPACE, ClusterOperations
 from pd_cache.cluster.router import PrefixRouter
 from pd_cache.core.cluster_config import ClusterConfig
@@ -164,11 +164,7 @@ class PDCluster(ClusterOperations):
 
     async def _decode_stream(self, req: Req, info: PrefillInfo,
                              pages_ref: Any) -> AsyncIterator[int | DecodeInfo]:
-        self.liveness["decode"].refresh()
-        if self.config.decode_pack and self.config.decode_batch > 1:
-            worker = self.decode_router.pack(self.config.decode_batch)
-        else:
-            worker = self.decode_router.least_loaded()
+        worker = self._pick_decode(None)
         self.decode_router.begin(worker)
         actor, finished = self.decode[worker], False
         try:
@@ -219,6 +215,17 @@ class PDCluster(ClusterOperations):
 
     async def _decode(self, req: Req, info: PrefillInfo, pages_ref: Any,
                       pinned: int | None, failed: Sequence[int] = ()) -> DecodeInfo:
+        worker = self._pick_decode(pinned, failed)
+        self.decode_router.begin(worker)
+        try:
+            ref = self.decode[worker].decode.remote(req, info, [pages_ref])
+            return await self._call("decode", worker, ref)
+        finally:
+            self.decode_router.end(worker)
+
+    def _pick_decode(self, pinned: int | None, failed: Sequence[int] = ()) -> int:
+        """The decode worker for a request: ``pinned``, else the fullest batch with room
+        (``decode_pack``) or the least loaded, among live workers not in ``failed``."""
         self.liveness["decode"].refresh()
         if pinned is not None:
             worker = pinned
@@ -227,12 +234,7 @@ class PDCluster(ClusterOperations):
         else:
             worker = self.decode_router.least_loaded(failed)
         self._check_worker("decode_worker", worker, self.decode)
-        self.decode_router.begin(worker)
-        try:
-            ref = self.decode[worker].decode.remote(req, info, [pages_ref])
-            return await self._call("decode", worker, ref)
-        finally:
-            self.decode_router.end(worker)
+        return worker
 
     async def _call(self, role: str, worker: int, ref: Any) -> Any:
         """Await a worker's call: its own errors come back as themselves, a dead worker
@@ -248,9 +250,7 @@ class PDCluster(ClusterOperations):
         """Ping every actor: the live ones by role; ``healthy`` once prefill and decode each
         have a live worker (a dead L3 shard costs only misses)."""
         live = {role: await lv.check(timeout_s) for role, lv in self.liveness.items()}
-        pings = [asyncio.wait_for(asyncio.wrap_future(s.ping.remote().future()), timeout_s)
-                 for s in self.storage]
-        answers = await asyncio.gather(*pings, return_exceptions=True)
+        answers = await ping_all([s.ping.remote() for s in self.storage], timeout_s)
         live["storage"] = [i for i, a in enumerate(answers) if not isinstance(a, BaseException)]
         return {"healthy": bool(live["prefill"]) and bool(live["decode"]), "live": live,
                 "workers": {"prefill": len(self.prefill), "decode": len(self.decode),
