@@ -77,7 +77,8 @@ def details(out: Completion) -> dict[str, Any]:
     """What only admin keys see: cached tokens by tier, timings, the workers used."""
     return {"cached_tokens": dict(out.cached_tokens), "ttft_ms": round(out.ttft_s * 1e3, 3),
             "latency_ms": round(out.latency_s * 1e3, 3), "prefill_worker": out.prefill_worker,
-            "decode_worker": out.decode_worker, "attempts": out.attempts}
+            "decode_worker": out.decode_worker, "attempts": out.attempts,
+            "cross_namespace_tokens": out.cross_namespace_tokens}
 
 
 def answer(rid: str, model: str, chat: bool, text: str, out: Completion,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pd_cache.cluster.router import PrefixRouter
 from pd_cache.core.cluster_config import ClusterConfig
 from pd_cache.core.config import PDCacheConfig
 from pd_cache.core.request import Req
@@ -22,6 +23,7 @@ class ClusterOperations:
     prefill: list[Any]
     decode: list[Any]
     storage: list[Any]
+    prefill_router: PrefixRouter
 
     def router_names(self, req: Req) -> list[bytes]:
         raise NotImplementedError
@@ -50,6 +52,25 @@ class ClusterOperations:
         import ray
 
         ray.get([a.flush.remote() for a in self.prefill + self.decode])
+
+    def drop_caches(self) -> dict[str, int]:
+        """Empty every cache tier: each worker's L1 and L2 and every L3 shard, after the
+        background writes so far have landed (so none arrives after the drop). Pages held
+        by requests in flight stay. Returns the pages dropped by tier.
+
+        An operator's reset, e.g. between a benchmark's warm-up and its measurement; not to
+        be confused with ``flush``, which only waits for writes and drops nothing.
+        """
+        import ray
+
+        self.flush()
+        out = {"device": 0, "host": 0, "storage": 0}
+        for dropped in ray.get([a.drop_cache.remote() for a in self.prefill + self.decode]):
+            for tier, n in dropped.items():
+                out[tier] += n
+        out["storage"] = sum(ray.get([s.drop_all.remote() for s in self.storage]))
+        self.prefill_router.forget()
+        return out
 
     def l3_writes(self) -> dict[str, int]:
         """Pages stored in L3 so far (after ``flush``): ``backup`` by prefill write-through,

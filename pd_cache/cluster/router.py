@@ -90,6 +90,11 @@ class PrefixRouter:
         self.down.add(worker)
         self._held[worker].clear()
 
+    def forget(self) -> None:
+        """Every worker's cache was emptied: no page is known to be held anywhere."""
+        for held in self._held:
+            held.clear()
+
     def mark_up(self, worker: int) -> None:
         self.down.discard(worker)
 

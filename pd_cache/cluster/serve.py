@@ -7,6 +7,7 @@
     GET  /v1/models             the served model
     POST /v1/generate           token ids in, token ids out (pd-cache's own API)
     GET  /healthz               200 once prefill and decode each have a live worker
+    POST /admin/drop_caches     empty every cache tier (admin keys; a benchmark's reset)
 
 With an API-key file (``api_keys_file``, ``PD_CACHE_API_KEYS_FILE``) every ``/v1`` route
 needs ``Authorization: Bearer <key>`` and the namespace is derived from the key's tenant
@@ -94,7 +95,8 @@ class PDCacheIngress:
         routes = {"/v1/completions": ("POST", self.completions),
                   "/v1/chat/completions": ("POST", self.chat),
                   "/v1/generate": ("POST", self.generate),
-                  "/v1/models": ("GET", self.models), "/healthz": ("GET", self.health)}
+                  "/v1/models": ("GET", self.models), "/healthz": ("GET", self.health),
+                  "/admin/drop_caches": ("POST", self.drop_caches)}
         if path not in routes:
             raise HTTPError(404, f"no route {path!r}; try one of {sorted(routes)}", None,
                             "not_found")
@@ -122,6 +124,14 @@ class PDCacheIngress:
         body = {"status": "ok" if state["healthy"] else "unhealthy", "model": self.model,
                 "live": state["live"], "workers": state["workers"]}
         return _json(200 if state["healthy"] else 503, body)
+
+    async def drop_caches(self, request: Any) -> Any:
+        """Empty every cache tier (``PDCluster.drop_caches``); admin keys only."""
+        if not self._tenant(request).admin:
+            raise HTTPError(403, "emptying the caches needs an admin key", "authorization",
+                            "permission_denied")
+        dropped = await asyncio.to_thread(self.cluster.drop_caches)
+        return _json(200, {"dropped_pages": dropped})
 
     async def generate(self, request: Any) -> Any:
         tenant = self._tenant(request)

@@ -126,6 +126,16 @@ class LocalBackend(StorageBackend):
         with self._lock:
             return [self._put_all(b, prefix + b.keys, len(prefix)) for b in batches]
 
+    def clear(self) -> int:
+        """Delete every record (an operator's reset, not eviction: nothing is counted as
+        evicted and no ghost is kept); returns how many there were."""
+        with self._lock:
+            slots = list(self._index)
+            for slot in slots:
+                self._remove(slot)
+            self._ghosts.clear()
+            return len(slots)
+
     def stats(self) -> dict[str, int]:
         return self._stats.snapshot()
 

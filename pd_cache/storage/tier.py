@@ -78,6 +78,13 @@ class StorageTier:
                      extra_info: ExtraInfo | None = None) -> list[list[bool]]:
         return self.backend.batch_set_v2(transfers, extra_info)
 
+    def drop_all(self) -> int:
+        """Delete every record this shard holds (``PDCluster.drop_caches``); how many."""
+        clear = getattr(self.backend, "clear", None)
+        if clear is None:
+            raise ValueError(f"backend {type(self.backend).__name__} cannot be emptied")
+        return clear()
+
     def stats(self) -> dict[str, int]:
         return self.backend.stats()
 

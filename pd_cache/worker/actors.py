@@ -71,6 +71,9 @@ class _Host:
     def l3_writes(self) -> dict[str, int]:
         return self.worker.l3_writes()
 
+    def drop_cache(self) -> dict[str, int]:
+        return self.worker.drop_cache()
+
     def state(self) -> WorkerState:
         return self.worker.state()
 

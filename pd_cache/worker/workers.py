@@ -68,6 +68,12 @@ class _Worker:
         stats = self.engine.stats
         return {"backup": stats.get("backup", "page"), "offload": stats.get("offload", "page")}
 
+    def drop_cache(self) -> dict[str, int]:
+        """Empty this worker's L1 and L2 (``LocalEngine.drop_cache``)."""
+        dropped = self.engine.drop_cache()
+        self._set_pools()
+        return dropped
+
     def state(self) -> WorkerState:
         return WorkerState(self.worker_id, self.role, self.engine.locks_held(),
                            self.engine.pool_usage())

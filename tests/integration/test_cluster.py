@@ -196,3 +196,31 @@ def test_decode_calls_in_flight_share_batched_steps(cluster: PDCluster, model: M
     steps = sum(s.get("decode/step", 0) for s in cluster.engine_stats().values()) - before
     assert steps < sum(r.max_new_tokens - 1 for r in reqs)
     assert_idle(cluster)
+
+
+def test_drop_caches_empties_every_tier_and_the_next_request_computes_all(
+        cluster: PDCluster, model: Model) -> None:
+    prompt = tokens(9001, 41)
+    first = req(prompt, (None, "drop-test"))
+    assert cluster.generate(first).output_ids == expected(model, first)
+    cluster.flush()
+    # The prompt's pages are now held: in the serving worker's L1 and in L3.
+    client = cluster.storage_client()
+    names = cluster.router_names(first)
+    assert client.batch_exists(names) == len(names) == 10
+    assert any(s.pool_usage["device"].get("radix") for s in cluster.states())
+
+    dropped = cluster.drop_caches()
+
+    assert dropped["device"] > 0 and dropped["storage"] > 0, dropped
+    for state in cluster.states():   # nothing cached anywhere, nothing leaked
+        assert state.locks == 0
+        assert not state.pool_usage["device"].get("radix"), state
+        assert not state.pool_usage["host"].get("radix"), state
+    assert [ray.get(s.usage.remote()).records for s in cluster.storage] == [0, 0]
+    assert client.batch_exists(names) == 0
+    again = req(prompt, (None, "drop-test"))
+    out = cluster.generate(again)
+    assert out.output_ids == expected(model, again)
+    assert sum(out.cached_tokens.values()) == 0, out.cached_tokens   # computed from scratch
+    assert_idle(cluster)

@@ -154,6 +154,21 @@ def test_beyond_max_pending_is_429_with_retry_after(url: str) -> None:
     raise AssertionError("places were not given back after the streams closed")
 
 
+def test_admin_drop_caches_empties_the_cache_and_needs_an_admin_key(url: str) -> None:
+    acme = client(url, "sk-acme-0001")
+    prompt = "a prompt to be cached and then dropped " * 2
+    acme.completions.create(model="tiny", prompt=prompt, max_tokens=2)
+    assert acme.completions.create(model="tiny", prompt=prompt, max_tokens=2) \
+        .usage.prompt_tokens_details.cached_tokens > 0
+    status, body = raw(url + "/admin/drop_caches", b"", {"Authorization": "Bearer sk-acme-0001"})
+    assert status == 403 and body["error"]["code"] == "permission_denied"
+    status, body = raw(url + "/admin/drop_caches", b"", {"Authorization": "Bearer sk-ops-00003"})
+    assert status == 200 and body["dropped_pages"]["device"] > 0, body
+    assert body["dropped_pages"]["storage"] > 0, body
+    assert acme.completions.create(model="tiny", prompt=prompt, max_tokens=2) \
+        .usage.prompt_tokens_details.cached_tokens == 0
+
+
 def raw(url: str, data: bytes, headers: dict[str, str],
         want_headers: bool = False) -> tuple[int, Any]:
     request = urllib.request.Request(url, data=data, headers=headers, method="POST")
