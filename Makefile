@@ -23,8 +23,15 @@ $(VENV)/.installed-test: pyproject.toml setup.py pd_cache/core/_chain.c | $(PY)
 
 # NOTE: no RAY_AUTH_MODE here: each Ray cluster that pd-cache or the tests start makes a
 # token of its own and admits only its own processes (pd_cache/app/session.py).
+# `make run`: 4 tenants x 4 users x 3 turns of chat, arriving at 8 req/s (Poisson), turns
+# interleaved at random, through 2 prefill + 2 decode + 2 L3 shards. Each worker's L1/L2
+# holds about a third of the working set, so a returning conversation's pages come from
+# every tier: L1, L2 after demotion, and L3 after eviction or on the other worker.
+RUN_ARGS ?= --model small --tenants 4 --users 4 --rounds 3 --system-len 512 \
+            --user-tokens 64 --output-len 16 --turn-order random --request-rate 8 \
+            --device-pages 48 --host-pages 96 --output-dir bench-results/run
 run: $(VENV)/.installed
-	$(VENV)/bin/pd-cache run $(ARGS)
+	$(VENV)/bin/pd-cache bench $(RUN_ARGS) $(ARGS)
 
 test: $(VENV)/.installed-test
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from pd_cache.app import names, run
+from pd_cache.app.bench import cli as bench_cli
 from pd_cache.app.session import ray_session
 
 DEFAULT_HOST = "127.0.0.1"
@@ -28,8 +29,12 @@ def main(argv: list[str] | None = None) -> int:
     names.add_arguments(names_parser)
     serve = sub.add_parser("serve", help="deploy a Ray Serve config (deployments/) over HTTP")
     add_serve_arguments(serve)
+    bench_parser = sub.add_parser(
+        "bench", help="an open-loop load generator: local cluster or any OpenAI-compatible "
+                      "server")
+    bench_cli.add_arguments(bench_parser)
     args = parser.parse_args(argv)
-    commands = {"run": run.run, "names": names.run, "serve": run_serve}
+    commands = {"run": run.run, "names": names.run, "serve": run_serve, "bench": bench_cli.run}
     try:
         return commands[args.command](args)
     except ValueError as exc:

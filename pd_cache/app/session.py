@@ -32,8 +32,12 @@ class ClusterToken(NamedTuple):
 
 @contextlib.contextmanager
 def ray_session(address: str | None = None, *, dashboard: bool = False,
-                runtime_env: dict[str, Any] | None = None) -> Iterator[None]:
+                runtime_env: dict[str, Any] | None = None,
+                metrics_interval_ms: int | None = None) -> Iterator[None]:
     """Join ``address``, or start a throwaway local cluster with a token of its own.
+
+    ``metrics_interval_ms``: how often a local cluster's processes export their metrics
+    (Ray's default is 10 s; ``pd-cache bench`` reads the counters back and sets 1 s).
 
     SIGTERM (an orchestrator's stop) interrupts the body as Ctrl-C does; on the way out Ray
     is shut down and the token removed, and an interrupt the body does not handle itself
@@ -50,6 +54,8 @@ def ray_session(address: str | None = None, *, dashboard: bool = False,
             # any cluster already running on this machine.
             local = {"address": "local", "num_cpus": max(4, os.cpu_count() or 1),
                      "include_dashboard": dashboard}
+            if metrics_interval_ms is not None:
+                local["_system_config"] = {"metrics_report_interval_ms": metrics_interval_ms}
         context = ray.init(runtime_env=runtime_env, logging_level="WARNING", **local)
         stack.callback(ray.shutdown)
         arm()
