@@ -106,6 +106,9 @@ def _load_arguments(g: Any) -> None:
 def _server_arguments(g: Any) -> None:
     g.add_argument("--api-key", action="append", default=[],
                    help="a key for every tenant, or repeat: tenant t uses key t %% count")
+    g.add_argument("--admin-key", default=None,
+                   help="the key that may empty the server's caches (default: the first "
+                        "--api-key)")
     g.add_argument("--model-name", default=None,
                    help="the served model (default: the first of /v1/models)")
     g.add_argument("--metrics-url", default=None,
@@ -219,7 +222,7 @@ def run_local(cfg: ClusterConfig, args: argparse.Namespace, workload: Workload,
 def run_http(args: argparse.Namespace, workload: Workload, warmup: Workload, load: Load,
              report: Report) -> list[Server]:
     target = HTTPTarget(args.target, api_keys=args.api_key, model=args.model_name,
-                        drop_route=args.drop_caches_route)
+                        drop_route=args.drop_caches_route, admin_key=args.admin_key)
     if not args.drop_caches:
         target.drop_caches = _nothing   # type: ignore[method-assign]
     server = Server(target, metrics_url=args.metrics_url, label="server")

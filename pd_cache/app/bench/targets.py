@@ -84,19 +84,21 @@ class HTTPTarget:
     """Any OpenAI-compatible server at ``url`` (its base, without ``/v1``).
 
     ``api_keys``: none, one for every tenant, or one per tenant (tenant ``t`` uses
-    ``api_keys[t % len]``). ``model``: the served model's name (default: the first that
+    ``api_keys[t % len]``); ``admin_key`` (default: tenant 0's) empties the caches.
+    ``model``: the served model's name (default: the first that
     ``/v1/models`` lists). Requests are completions with token-id prompts, greedy, streamed
     with usage; ``cache_salt`` (vLLM) and ``extra_key`` (SGLang) name the namespace, and
     ``ignore_eos`` keeps every answer at its requested length.
     """
 
     def __init__(self, url: str, *, api_keys: Sequence[str] = (), model: str | None = None,
-                 timeout_s: float = 600.0, drop_route: str = DROP_ROUTE) -> None:
+                 timeout_s: float = 600.0, drop_route: str = DROP_ROUTE,
+                 admin_key: str | None = None) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"target: expected 'local' or an http(s) URL, got {url!r}")
         self.url, self.name = url.rstrip("/"), url.rstrip("/")
         self.api_keys, self.model = list(api_keys), model
-        self.timeout_s, self.drop_route = timeout_s, drop_route
+        self.timeout_s, self.drop_route, self.admin_key = timeout_s, drop_route, admin_key
         self._session: Any = None
 
     async def _http(self) -> Any:
@@ -162,7 +164,9 @@ class HTTPTarget:
         """``POST {url}{drop_route}`` (pd-cache: ``/admin/drop_caches`` with an admin key;
         vLLM: ``/reset_prefix_cache``; SGLang: ``/flush_cache``)."""
         http = await self._http()
-        async with http.post(f"{self.url}{self.drop_route}", headers=self._headers()) as resp:
+        headers = {"Authorization": f"Bearer {self.admin_key}"} if self.admin_key \
+            else self._headers()
+        async with http.post(f"{self.url}{self.drop_route}", headers=headers) as resp:
             if resp.status >= 300:
                 await _json_or_error(resp, self.drop_route)
             text = await resp.text()
