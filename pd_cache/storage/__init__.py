@@ -59,7 +59,7 @@ def make_backend(config: StorageConfig, layout: KVLayout, *, algo: str = "xxh3_1
 
 
 __all__ = [
-    "BACKENDS", "KV_POOL", "STATE_POOL", "ExtraInfo", "PageRecord", "Pending", "PoolHits", "PoolTransfer",
-    "RecordHeader", "ShardFault", "StorageBackend", "Usage", "backend_class", "make_backend",
-    "make_record", "register_backend", "usable_prefix", "verify",
+    "BACKENDS", "KV_POOL", "STATE_POOL", "ExtraInfo", "PageRecord", "Pending", "PoolHits",
+    "PoolTransfer", "RecordHeader", "ShardFault", "StorageBackend", "Usage", "backend_class",
+    "make_backend", "make_record", "register_backend", "usable_prefix", "verify",
 ]
