@@ -152,6 +152,10 @@ class RadixCache(Evicting, PrefixCache):
         one, in a slot of the state pool (ignored without a pool)."""
         self._check_key(key)
         check_pages(pages, self.layout, field="insert: pages")
+        for i, one in (states or {}).items() if self.states is not None else ():
+            # NOTE: checked before anything changes
+            check_states(one[None] if isinstance(one, torch.Tensor) else one, self.layout,
+                         field=f"insert: states[{i}]")
         if pages.shape[0] < key.num_pages:
             raise ValueError(f"insert: pages: expected at least {key.num_pages} pages, got "
                              f"{pages.shape[0]}")
@@ -180,10 +184,8 @@ class RadixCache(Evicting, PrefixCache):
         free = wanted[:self.states.num_free]   # NOTE: sized to never run out (engine)
         if not free:
             return
-        stacked = torch.stack([states[i] for i in free])
-        check_states(stacked, self.layout, field="insert: states")
         slots = self.states.alloc(len(free), OWNER)
-        self.states.write(slots, stacked)
+        self.states.write(slots, torch.stack([states[i] for i in free]))
         for i, slot in zip(free, slots, strict=True):
             path[i].state_slot = slot
 
