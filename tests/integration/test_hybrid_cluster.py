@@ -21,7 +21,7 @@ from pd_cache.storage.tier import storage_actors
 from pd_cache.worker.engine import LocalEngine
 from pd_cache.worker.model import Model, reference_generate
 from tests.unit.storage.test_storage_v2 import Recorder
-from tests.unit.tiering.test_hybrid_calls import NAMES, P, WRITE_RUNS, check_calls
+from tests.unit.tiering.test_hybrid_calls import NAMES, WRITE_RUNS, P, check_calls
 from tests.unit.tiering.test_hybrid_calls import config as calls_config
 
 ray = pytest.importorskip("ray")
