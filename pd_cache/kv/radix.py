@@ -121,8 +121,7 @@ class RadixCache(Evicting, PrefixCache):
         return MatchResult(pages, node, key)
 
     def resume_pages(self, match: MatchResult) -> int:
-        """Pages of ``match`` a request can resume from: all of them without a state pool,
-        else up to its deepest node that holds a recurrent state (0 if none does)."""
+        # NOTE: without a state pool (a plain model) every page of the match resumes.
         if self.states is None:
             return match.num_pages
         path = match.node.path() if match.num_pages else []
@@ -130,8 +129,6 @@ class RadixCache(Evicting, PrefixCache):
                      if path[i].state_slot is not None), 0)
 
     def read_state(self, match: MatchResult, num_pages: int) -> torch.Tensor:
-        """A copy of the recurrent state after page ``num_pages - 1`` of ``match``
-        ``[*state_shape]``; ``ValueError`` if that node keeps none."""
         node = match.node.path()[num_pages - 1] if 0 < num_pages <= match.num_pages else None
         if node is None or node.state_slot is None or self.states is None:
             raise ValueError(f"read_state: page {num_pages - 1} of the match keeps no state")
@@ -147,9 +144,7 @@ class RadixCache(Evicting, PrefixCache):
 
     def insert(self, key: CacheKey, pages: torch.Tensor, seed: bytes = b"",
                states: Mapping[int, torch.Tensor] | None = None) -> InsertResult:
-        """See ``PrefixCache.insert``. ``states`` maps a page index to the recurrent state
-        after that page (``[*state_shape]``): each cached node there without a state gets
-        one, in a slot of the state pool (ignored without a pool)."""
+        # NOTE: a state goes into a slot of the state pool (ignored without a pool).
         self._check_key(key)
         check_pages(pages, self.layout, field="insert: pages")
         for i, one in (states or {}).items() if self.states is not None else ():

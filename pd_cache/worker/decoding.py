@@ -18,7 +18,7 @@ from pd_cache.core.request import Req
 from pd_cache.core.stats import Stats
 from pd_cache.core.vocab import DECODE
 from pd_cache.kv import PagePool
-from pd_cache.kv.state import StatePool, checkpoints
+from pd_cache.kv.state import checkpoints
 from pd_cache.tiering.offload import DecodeOffloadManager
 from pd_cache.worker.model import Model, kv_to_pages, pages_to_kv, sample
 from pd_cache.worker.model import check_state as check_model_state
@@ -33,7 +33,6 @@ class Decoding:
     page_size: int
     stats: Stats
     device_pool: PagePool
-    state_pool: StatePool | None
     state_every: int
     offload: DecodeOffloadManager | None
     layout: KVLayout
@@ -47,7 +46,7 @@ class Decoding:
         cache touched (what decode falls back to when handed-off KV fails its audit)."""
         self._check_request(req)
         full = len(req.input_ids) // self.page_size
-        at = checkpoints(0, full - 1, self.state_every) if self.state_pool is not None else []
+        at = checkpoints(0, full - 1, self.state_every) if self.layout.has_state else []
         out = self.model(req.input_ids, None, state_at=[(i + 1) * self.page_size for i in at])
         state = None if out.state is None else PromptState(out.state, dict(zip(at, out.states)))
         return (kv_to_pages(out.kv, self.page_size), sample(out.logits[-1], req.sampling, 0),
@@ -99,7 +98,7 @@ class Decoding:
 
     def _recurrent(self, state: PromptState | None) -> torch.Tensor | None:
         """A private copy of a hybrid prompt's final state (``None`` for a plain model)."""
-        if self.state_pool is None:
+        if not self.layout.has_state:
             return None
         if state is None:
             raise ValueError("state: a hybrid model decodes from the prompt's KV and its "
@@ -112,7 +111,7 @@ class Decoding:
         live = [s for s in seqs if not s.done]
         if not live:
             return
-        states = [s.recurrent for s in live] if self.state_pool is not None else None
+        states = [s.recurrent for s in live] if self.layout.has_state else None
         logits = self.model.decode_step([s.tokens[-1] for s in live], [s.buf for s in live],
                                         [s.pos for s in live], states)
         self.stats.count(DECODE, "step")
@@ -125,12 +124,12 @@ class Decoding:
             if seq.state is not None:
                 self._offload(seq)
 
-    def _offload(self, seq: DecodeSeq, final: bool = False) -> None:
+    def _offload(self, seq: DecodeSeq) -> None:
         """Hand the offload manager the pages filled so far (a hybrid model's states at
         page ends kept until a write has taken them)."""
         if seq.recurrent is not None and seq.pos % self.page_size == 0:
             seq.page_states[seq.pos // self.page_size - 1] = seq.recurrent.clone()
-        self.offload.advance(seq.state, seq.seq, seq.buf, seq.pos, final=final,
+        self.offload.advance(seq.state, seq.seq, seq.buf, seq.pos,
                              page_states=seq.page_states)
         if seq.page_states:
             written = seq.state.num_pages

@@ -168,7 +168,7 @@ class LocalEngine(Decoding):
     def _state_at(self, done: int, num_pages: int) -> list[int]:
         """Counts of new tokens after which a hybrid prefill keeps the state: the ends of
         its checkpoint pages (none for a plain model)."""
-        if self.state_pool is None:
+        if not self.layout.has_state:
             return []
         ps = self.page_size
         return [(i + 1 - done) * ps for i in checkpoints(done, num_pages - 1, self.state_every)]
@@ -177,7 +177,7 @@ class LocalEngine(Decoding):
                         stored: StoredPages) -> dict[int, torch.Tensor]:
         """A hybrid prefix's known states by page index: what L3 supplied, or the state of
         the local hit's last page (the one prefill resumes from). Empty when plain."""
-        if self.state_pool is None:
+        if not self.layout.has_state:
             return {}
         if stored.pages.shape[0]:
             return {match.num_pages + i: s for i, s in (stored.states or {}).items()}
