@@ -20,6 +20,12 @@ stored keys (small pages) and a transport check: the same 128 MiB returned by an
 as bare tensors with and without RAY_ENABLE_ZERO_COPY_TORCH_TENSORS, as PageRecords by
 value, and as refs to PageRecords the actor put once (fetched, not verified).
 
+Hybrid row (1 tier actor): the same bytes of a hybrid layout (the 8B-class model with every
+other layer a gated linear recurrence: half the KV per page, plus a float32 recurrent
+state [16, 4096] kept every 4th page). A write is v2 ``batch_set`` calls whose batches end
+at those checkpoints (KV + the trailing ``state``), a read the same with ``batch_get``;
+beside it, in the same run and on the same stored pages, the KV-only read (v1 batches).
+
 Capacity pressure (in-process memory backend, no Ray): 32 prompts of 8-16 pages that
 share nothing, room for 40% of their pages, under two eviction orders side by side: the
 previous one (least recently used page first: ``head_first``) and the store's
@@ -38,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import json
 import random
 import statistics
@@ -53,11 +60,13 @@ import torch
 from pd_cache.app.session import cluster_token
 from pd_cache.core.config import CacheConfig, KVLayout, ModelConfig, PDCacheConfig, StorageConfig
 from pd_cache.core.hashing import namespace_seed, page_hashes
-from pd_cache.storage import ExtraInfo, PageRecord, PoolTransfer, make_record
+from pd_cache.kv.state import checkpoints
+from pd_cache.storage import STATE_POOL, ExtraInfo, PageRecord, PoolTransfer, make_record
 from pd_cache.storage.client import StorageClient
 from pd_cache.storage.eviction import EvictionPolicy, Slot
 from pd_cache.storage.memory import MemoryBackend
 from pd_cache.storage.tier import ACTOR_ENV, storage_actors
+from pd_cache.tiering.chain import runs
 
 RESULTS = Path(__file__).parent / "results" / "storage.json"
 SEED = 1234
@@ -66,6 +75,8 @@ GB = 1e9
 BIG_MODEL = ModelConfig(name="bench-8b", vocab_size=128256, hidden_size=4096, num_layers=32,
                         num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336,
                         max_context=8192, kv_dtype="bfloat16")
+HYBRID_MODEL = dataclasses.replace(BIG_MODEL, name="bench-8b-hybrid", layer_pattern="ra" * 16)
+STATE_EVERY = 4
 
 
 def config(model: ModelConfig, num_shards: int) -> PDCacheConfig:
@@ -74,14 +85,15 @@ def config(model: ModelConfig, num_shards: int) -> PDCacheConfig:
                                                num_shards=num_shards))
 
 
-def chain_records(layout: KVLayout, payloads: list[torch.Tensor], salt: str) -> list[PageRecord]:
+def chain_records(layout: KVLayout, payloads: list[torch.Tensor], salt: str,
+                  pool: str = "kv") -> list[PageRecord]:
     """One record per payload, named in a fresh namespace so every repetition is new."""
     gen = torch.Generator().manual_seed(SEED)
     tokens = torch.randint(0, 32000, (len(payloads) * layout.page_size,), generator=gen).tolist()
     names = page_hashes(tokens, layout.page_size, cache_salt=salt)
     priors = [namespace_seed(None, salt), *names[:-1]]
     ps = layout.page_size
-    return [make_record(n, p, tokens[i * ps:(i + 1) * ps], {"kv": payloads[i]},
+    return [make_record(n, p, tokens[i * ps:(i + 1) * ps], {pool: payloads[i]},
                         fingerprint=layout.fingerprint)
             for i, (n, p) in enumerate(zip(names, priors))]
 
@@ -215,6 +227,94 @@ def rates(times: dict[str, list[float]]) -> dict[str, Any]:
         out[f"{k}_vs_memcpy"] = med[baseline] / med[k]
         out[f"{k}_vs_memcpy_1thread"] = med[single] / med[k]
     return out
+
+
+def hybrid_ops(records: list[PageRecord], states: list[PageRecord],
+               batch_pages: int) -> list[tuple[list[PageRecord], PageRecord | None]]:
+    """A write's batches: each ends at a checkpoint (or after ``batch_pages``), carrying
+    the state of its last page when that page is one."""
+    ends = set(checkpoints(0, len(records) - 1, STATE_EVERY))
+    return [(records[r.start:r.stop], states[r.stop - 1] if r.stop - 1 in ends else None)
+            for r in runs(len(records), batch_pages, ends)]
+
+
+def hybrid_info(op: list[PageRecord], before: list[PageRecord]) -> ExtraInfo:
+    return ExtraInfo(prefix_keys=[r.name for r in before], namespace_seed=op[0].header.prior
+                     if not before else None)
+
+
+def hybrid_set(client: StorageClient, ops: list[Any]) -> None:
+    done: list[PageRecord] = []
+    for kv, state in ops:
+        transfers = [PoolTransfer("kv", [r.name for r in kv], kv)]
+        if state is not None:
+            transfers.append(PoolTransfer(STATE_POOL, [state.name], [state]))
+        assert all(all(a) for a in client.batch_set_v2(transfers, hybrid_info(kv, done)))
+        done = done + kv
+
+
+def hybrid_get(client: StorageClient, ops: list[Any], pipelined: bool = False) -> None:
+    """Every batch's v2 get in turn, or (``pipelined``) all submitted first, then collected
+    in order (as the prefetcher does)."""
+    done: list[PageRecord] = []
+    pending = []
+    for kv, state in ops:
+        transfers = [PoolTransfer("kv", [r.name for r in kv])]
+        if state is not None:
+            transfers.append(PoolTransfer(STATE_POOL, [state.name]))
+        pending.append(client.submit_get_v2(transfers, hybrid_info(kv, done)))
+        if not pipelined:
+            pending[-1].result()
+        done = done + kv
+    for p in pending:
+        assert all(page is not None for t in p.result() for page in t.pages or [])
+
+
+def bench_hybrid(repeats: int, batch_pages: int) -> dict[str, Any]:
+    """KV + trailing state at checkpoints (v2) against KV alone (v1), same stored pages."""
+    cfg = config(HYBRID_MODEL, 1)
+    layout = cfg.layout
+    page_bytes = torch.Size(layout.page_shape).numel() * 2
+    n = TOTAL_BYTES // page_bytes
+    gen = torch.Generator().manual_seed(SEED)
+    payloads = [torch.randn(layout.page_shape, generator=gen).to(torch.bfloat16)
+                for _ in range(n)]
+    state_payloads = [torch.randn(layout.state_shape, generator=gen) for _ in range(n)]
+    handles = storage_actors(cfg)
+    client = StorageClient(handles, timeout_s=120)
+    times: dict[str, list[float]] = {k: [] for k in ("set", "get", "get_kv_only",
+                                                       "get_pipelined",
+                                                       "get_kv_only_pipelined")}
+    try:
+        for rep in range(repeats + 1):
+            salt = f"hybrid-{rep}"
+            ops = hybrid_ops(chain_records(layout, payloads, salt),
+                             chain_records(layout, state_payloads, salt, STATE_POOL),
+                             batch_pages)
+            kv_batches = in_batches([r for kv, _ in ops for r in kv], batch_pages)
+            run = {"set": timed(hybrid_set, client, ops), "get": timed(hybrid_get, client, ops),
+                   "get_kv_only": timed(get_all, client, kv_batches),
+                   "get_pipelined": timed(hybrid_get, client, ops, True),
+                   "get_kv_only_pipelined": timed(get_pipelined, client, kv_batches)}
+            if rep:
+                for k, t in run.items():
+                    times[k].append(t)
+    finally:
+        kill_all(handles)
+    states = sum(1 for _, s in ops if s is not None)
+    state_bytes = states * state_payloads[0].numel() * 4
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"page_shape": list(layout.page_shape), "state_shape": list(layout.state_shape),
+            "pages": n, "states": states, "state_every_pages": STATE_EVERY, "calls": len(ops),
+            "state_bytes_fraction": state_bytes / TOTAL_BYTES,
+            "set_gbps": (TOTAL_BYTES + state_bytes) / med["set"] / GB,
+            "get_gbps": (TOTAL_BYTES + state_bytes) / med["get"] / GB,
+            "get_kv_only_gbps": TOTAL_BYTES / med["get_kv_only"] / GB,
+            "get_time_vs_kv_only": med["get"] / med["get_kv_only"],
+            "get_pipelined_gbps": (TOTAL_BYTES + state_bytes) / med["get_pipelined"] / GB,
+            "get_kv_only_pipelined_gbps": TOTAL_BYTES / med["get_kv_only_pipelined"] / GB,
+            "get_pipelined_time_vs_kv_only": med["get_pipelined"]
+            / med["get_kv_only_pipelined"]}
 
 
 def bench_exists(repeats: int) -> dict[str, float]:
@@ -441,6 +541,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               f"{r['get_vs_memcpy_1thread']:.2f}x"
               + (f" | previous path (by value) {r['get_by_value_gbps']:.2f} GB/s "
                  f"({r['get_by_value_vs_memcpy']:.2f}x)" if "get_by_value_gbps" in r else ""))
+    hybrid = results["hybrid"] = bench_hybrid(args.repeats, args.batch_pages)
+    print(f"hybrid (kv {hybrid['page_shape']}, state {hybrid['state_shape']} every "
+          f"{hybrid['state_every_pages']} pages, {hybrid['calls']} v2 calls): set "
+          f"{hybrid['set_gbps']:.2f} GB/s | get {hybrid['get_gbps']:.2f} GB/s | kv-only get "
+          f"{hybrid['get_kv_only_gbps']:.2f} GB/s | get time vs kv-only "
+          f"{hybrid['get_time_vs_kv_only']:.2f}x | pipelined: get "
+          f"{hybrid['get_pipelined_gbps']:.2f} GB/s vs kv-only "
+          f"{hybrid['get_kv_only_pipelined_gbps']:.2f} GB/s "
+          f"({hybrid['get_pipelined_time_vs_kv_only']:.2f}x the time) | state bytes "
+          f"{100 * hybrid['state_bytes_fraction']:.1f}%")
     exists = bench_exists(args.repeats)
     print("batch_exists(1024 keys): " + ", ".join(f"{k} {v:.2f}" for k, v in exists.items()))
     transport = bench_transport(payloads, chain_records(layout, payloads, "transport"),

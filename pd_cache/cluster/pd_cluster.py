@@ -4,8 +4,9 @@ One request::
 
     generate_async(req)   admit (ValueError for a bad request), name its prompt pages
       -> prefill[p]       p = longest known prefix match in req's namespace, by load
-         (info_ref, pages_ref)   await info: TTFT; pages stay in the object store
-      -> decode[d]        d = least loaded; fetches pages_ref itself, generates (steps
+         (info_ref, pages_ref, states_ref)   await info: TTFT; pages (and a hybrid
+                          prompt's states) stay in the object store
+      -> decode[d]        d = least loaded; fetches them itself, generates (steps
                           batched with its other requests in flight), offloads
       -> Completion       tokens, cached tokens by tier, pages moved, cross-namespace hits
 
@@ -117,9 +118,9 @@ class PDCluster(ClusterOperations):
         start, failed = time.perf_counter(), {"prefill": [], "decode": []}
         for attempt in (1, 2):
             try:
-                info, pages_ref = await self._prefill(req, prefill_worker, failed["prefill"])
+                info, handoff = await self._prefill(req, prefill_worker, failed["prefill"])
                 ttft = time.perf_counter() - start
-                out = await self._decode(req, info, pages_ref, decode_worker,
+                out = await self._decode(req, info, handoff, decode_worker,
                                          failed["decode"])
                 break
             except WorkerDied as e:
@@ -144,7 +145,7 @@ class PDCluster(ClusterOperations):
         start, failed = time.perf_counter(), {"prefill": [], "decode": []}
         for attempt in (1, 2):
             try:
-                info, pages_ref = await self._prefill(req, None, failed["prefill"])
+                info, handoff = await self._prefill(req, None, failed["prefill"])
                 break
             except WorkerDied as e:
                 if attempt == 2 or req.expired():
@@ -154,7 +155,7 @@ class PDCluster(ClusterOperations):
         if req.max_new_tokens:
             yield info.first_token
         out = None
-        async for item in self._decode_stream(req, info, pages_ref):
+        async for item in self._decode_stream(req, info, handoff):
             if isinstance(item, DecodeInfo):
                 out = item
             else:
@@ -163,12 +164,12 @@ class PDCluster(ClusterOperations):
         yield self._complete(req, info, out, ttft, time.perf_counter() - start, attempt)
 
     async def _decode_stream(self, req: Req, info: PrefillInfo,
-                             pages_ref: Any) -> AsyncIterator[int | DecodeInfo]:
+                             handoff: Any) -> AsyncIterator[int | DecodeInfo]:
         worker = self._pick_decode(None)
         self.decode_router.begin(worker)
         actor, finished = self.decode[worker], False
         try:
-            async for ref in actor.decode_stream.remote(req, info, [pages_ref]):
+            async for ref in actor.decode_stream.remote(req, info, handoff):
                 item = await _unwrap(ref)
                 finished = isinstance(item, DecodeInfo)
                 yield item
@@ -206,19 +207,19 @@ class PDCluster(ClusterOperations):
         # (two clients of a tenant arriving together share the system prompt's compute).
         self.prefill_router.record(worker, names)
         try:
-            info_ref, pages_ref = self.prefill[worker].prefill.remote(req)
+            info_ref, *handoff = self.prefill[worker].prefill.remote(req)
             info = await self._call("prefill", worker, info_ref)
         finally:
             self.prefill_router.end(worker)
         self.prefill_router.record(worker, info.page_names)
-        return info, pages_ref
+        return info, handoff   # [pages_ref, states_ref]: decode fetches both
 
-    async def _decode(self, req: Req, info: PrefillInfo, pages_ref: Any,
+    async def _decode(self, req: Req, info: PrefillInfo, handoff: Any,
                       pinned: int | None, failed: Sequence[int] = ()) -> DecodeInfo:
         worker = self._pick_decode(pinned, failed)
         self.decode_router.begin(worker)
         try:
-            ref = self.decode[worker].decode.remote(req, info, [pages_ref])
+            ref = self.decode[worker].decode.remote(req, info, handoff)
             return await self._call("decode", worker, ref)
         finally:
             self.decode_router.end(worker)

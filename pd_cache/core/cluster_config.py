@@ -55,6 +55,8 @@ class ClusterConfig:
     prefetch_policy: str = _knob("wait_complete", "how long prefetch waits for L3",
                                  choices=PREFETCH_POLICIES)
     write_policy: str = _knob("write_through", "L1 -> L2 write policy", choices=WRITE_POLICIES)
+    state_every_pages: int = _knob(4, "hybrid models: keep the recurrent state every this "
+                                      "many pages (and at the end of each write)")
     balance_threshold: int = _knob(2, "prefix match loses to the least loaded prefill worker "
                                       "beyond this many requests of difference")
     threads: int = _knob(1, "torch threads per worker actor")
@@ -91,7 +93,8 @@ class ClusterConfig:
             cache=CacheConfig(page_size=self.page_size,
                               device_pages=self.device_pages if on else 0,
                               host_pages=self.host_pages if on else 0,
-                              write_policy=self.write_policy),
+                              write_policy=self.write_policy,
+                              state_every_pages=self.state_every_pages),
             storage=StorageConfig(enabled=self.with_storage, backend=self.storage_backend,
                                   capacity_bytes=self.storage_capacity_bytes,
                                   disk_path=self.disk_path,

@@ -16,6 +16,7 @@ import xxhash
 
 from pd_cache.core.fields import (
     check,
+    check_int_at_least,
     check_non_negative,
     check_positive,
     check_positive_int,
@@ -32,6 +33,10 @@ ENV_PREFIX = "PD_CACHE_"
 # stay shareable across them: the rotary tables span max_context positions, but the angles of
 # position p do not depend on how many positions the table holds.
 KV_NEUTRAL_FIELDS = frozenset({"max_context"})
+# Fields of hybrid models that join a digest only when set: a plain model's layout (and so
+# its L3 pages) keeps the fingerprint it had before hybrid models existed.
+HYBRID_FIELDS = {"layer_pattern": "", "state_layers": 0, "state_dim": 0}
+ATTENTION, RECURRENT = "a", "r"   # the letters of ModelConfig.layer_pattern
 
 # The L3 backend registry: name -> "module:Class" (a class with ``from_config``), imported
 # lazily by ``pd_cache.storage.backend_class``. Adding a backend is one module and one entry
@@ -49,6 +54,11 @@ class ModelConfig:
     ``weights_digest`` names the exact weights: the xxh3_128 hex digest of their bytes
     (``pd_cache.worker.digest``). Empty means "the weights this config seeds", which
     ``kv_digest`` identifies; a cluster pins the digest of the built weights at start.
+
+    ``layer_pattern`` makes a hybrid model: one letter per layer, ``a`` (attention, whose
+    K and V go into KV pages) or ``r`` (a gated linear recurrence whose fixed-size state,
+    ``hidden_size`` floats, is what a cached prefix must also resume from). Empty: every
+    layer attends (the plain presets).
     """
 
     name: str = "tiny"
@@ -64,6 +74,7 @@ class ModelConfig:
     seed: int = 0
     kv_dtype: str = "float32"
     weights_digest: str = ""
+    layer_pattern: str = ""
 
     def __post_init__(self) -> None:
         check(isinstance(self.name, str) and bool(self.name), "model.name", self.name,
@@ -78,19 +89,39 @@ class ModelConfig:
         one_of("model.kv_dtype", self.kv_dtype, KV_DTYPES)
         check(self.weights_digest == "" or _is_digest(self.weights_digest),
               "model.weights_digest", self.weights_digest, "'' or 32 lowercase hex digits")
+        pattern = self.layer_pattern
+        check(isinstance(pattern, str) and (pattern == "" or (
+            len(pattern) == self.num_layers and set(pattern) <= {ATTENTION, RECURRENT}
+            and ATTENTION in pattern)), "model.layer_pattern", pattern,
+            f"'' or {self.num_layers} letters of 'a' (attention, at least one) and 'r' "
+            f"(recurrent)")
+
+    @property
+    def kinds(self) -> str:
+        """One letter per layer: ``a`` attention, ``r`` recurrent."""
+        return self.layer_pattern or ATTENTION * self.num_layers
+
+    @property
+    def attention_layers(self) -> int:
+        """Layers whose K and V a KV page holds."""
+        return self.kinds.count(ATTENTION)
+
+    @property
+    def recurrent_layers(self) -> int:
+        """Layers whose state (``hidden_size`` floats each) a cached prefix resumes from."""
+        return self.kinds.count(RECURRENT)
 
     @property
     def kv_digest(self) -> str:
         """Stable digest of every field that changes the weights or how K and V are computed
         (all but ``KV_NEUTRAL_FIELDS``; the layout carries ``weights_digest`` itself)."""
         skip = KV_NEUTRAL_FIELDS | {"weights_digest"}
-        return _digest(b"pd-cache/model/v1", {f.name: getattr(self, f.name)
-                                               for f in dataclasses.fields(self)
-                                               if f.name not in skip})
+        return _digest(b"pd-cache/model/v1", _set_fields(self, skip))
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> ModelConfig:
-        """A named preset: ``tiny`` (fast tests) or ``small`` (benchmarks)."""
+        """A named preset: ``tiny`` (fast tests) or ``small`` (benchmarks), and their hybrid
+        forms ``tiny-hybrid`` and ``small-hybrid`` (attention and recurrent layers)."""
         if name not in MODEL_PRESETS:
             raise ValueError(f"model.name: unknown preset {name!r}; expected one of "
                              f"{sorted(MODEL_PRESETS)}")
@@ -102,6 +133,10 @@ MODEL_PRESETS = {
     "small": ModelConfig(name="small", vocab_size=4096, hidden_size=256, num_layers=4,
                          num_heads=8, num_kv_heads=2, head_dim=32, intermediate_size=768,
                          max_context=4096),
+    "tiny-hybrid": ModelConfig(name="tiny-hybrid", num_layers=4, layer_pattern="rara"),
+    "small-hybrid": ModelConfig(name="small-hybrid", vocab_size=4096, hidden_size=256,
+                                num_layers=4, num_heads=8, num_kv_heads=2, head_dim=32,
+                                intermediate_size=768, max_context=4096, layer_pattern="rara"),
 }
 
 
@@ -109,9 +144,11 @@ MODEL_PRESETS = {
 class KVLayout:
     """Layout of one KV page; its fingerprint partitions L3 between models and layouts.
 
-    A page is ``[2, num_layers, page_size, num_kv_heads, head_dim]`` (K and V).
-    ``model_id`` and ``weights_digest`` say which model computed it (see
-    ``PDCacheConfig.layout``); ``weights_digest`` is empty only in hand-made layouts.
+    A page is ``[2, num_layers, page_size, num_kv_heads, head_dim]`` (K and V of the
+    attention layers). A hybrid model also keeps, at checkpoint pages, the recurrent state
+    after the page: ``[state_layers, state_dim]`` float32 (``state_shape``; none when
+    ``state_layers`` is 0). ``model_id`` and ``weights_digest`` say which model computed
+    it (see ``PDCacheConfig.layout``); ``weights_digest`` is empty only in hand-made layouts.
     """
 
     model_id: str
@@ -123,10 +160,16 @@ class KVLayout:
     tp_rank: int = 0
     tp_size: int = 1
     weights_digest: str = ""
+    state_layers: int = 0
+    state_dim: int = 0
 
     def __post_init__(self) -> None:
         check(isinstance(self.weights_digest, str), "layout.weights_digest",
               self.weights_digest, "a str")
+        for name in ("state_layers", "state_dim"):
+            check_int_at_least(f"layout.{name}", getattr(self, name), 0)
+        check((self.state_layers == 0) == (self.state_dim == 0), "layout.state_dim",
+              self.state_dim, f"0 exactly when state_layers is 0 (it is {self.state_layers})")
         for name in ("num_layers", "page_size", "num_kv_heads", "head_dim", "tp_size"):
             check_positive_int(f"layout.{name}", getattr(self, name))
         check(isinstance(self.tp_rank, int) and 0 <= self.tp_rank < self.tp_size,
@@ -138,24 +181,40 @@ class KVLayout:
         return (2, self.num_layers, self.page_size, self.num_kv_heads, self.head_dim)
 
     @property
+    def state_shape(self) -> tuple[int, int]:
+        """Shape of one recurrent state (after a page): ``[state_layers, state_dim]``."""
+        return (self.state_layers, self.state_dim)
+
+    @property
+    def has_state(self) -> bool:
+        """Whether a prefix resumes from a recurrent state as well as from KV (hybrid)."""
+        return self.state_layers > 0
+
+    @property
     def fingerprint(self) -> str:
         """Stable hex digest of every field (never Python's salted ``hash()``)."""
-        return _digest(b"pd-cache/layout/v2", {f.name: getattr(self, f.name)
-                                                for f in dataclasses.fields(self)})
+        return _digest(b"pd-cache/layout/v2", _set_fields(self, frozenset()))
 
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """The worker-local tiers: L1 device pool, L2 host pool and their radix tree."""
+    """The worker-local tiers: L1 device pool, L2 host pool and their radix tree.
+
+    ``state_every_pages``: a hybrid model keeps its recurrent state at every page whose
+    count is a multiple of this, and at the last full page of each write (the pages a
+    cached prefix may resume from; see ``pd_cache.kv.state``).
+    """
 
     page_size: int = 16
     hash_algo: str = "xxh3_128"
     device_pages: int = 256
     host_pages: int = 1024
     write_policy: str = "write_through"
+    state_every_pages: int = 4
 
     def __post_init__(self) -> None:
         check_positive_int("cache.page_size", self.page_size)
+        check_positive_int("cache.state_every_pages", self.state_every_pages)
         one_of("cache.hash_algo", self.hash_algo, tuple(DIGEST_SIZES))
         check_non_negative("cache.device_pages", self.device_pages)
         check_non_negative("cache.host_pages", self.host_pages)
@@ -220,10 +279,13 @@ class PDCacheConfig:
         uses; a worker checks pinned weights against its own (``pd_cache.worker.digest``).
         """
         m, kv = self.model, self.model.kv_digest
+        state_layers = m.recurrent_layers
         return KVLayout(model_id=f"{m.name}/{kv}", kv_dtype=m.kv_dtype,
-                        num_layers=m.num_layers, page_size=self.cache.page_size,
+                        num_layers=m.attention_layers, page_size=self.cache.page_size,
                         num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
-                        weights_digest=m.weights_digest or f"config:{kv}")
+                        weights_digest=m.weights_digest or f"config:{kv}",
+                        state_layers=state_layers,
+                        state_dim=m.hidden_size if state_layers else 0)
 
     def check_compatible(self, other: PDCacheConfig) -> None:
         """Cross-role rule: two workers exchanging KV must agree on its layout."""
@@ -254,6 +316,12 @@ def _digest(tag: bytes, values: dict[str, Any]) -> str:
     """xxh3_128 hex digest of ``name=repr(value)`` pairs, in the order given."""
     text = "|".join(f"{name}={value!r}" for name, value in values.items())
     return xxhash.xxh3_128_hexdigest(tag + b"\x00" + text.encode("utf-8"))
+
+
+def _set_fields(obj: Any, skip: frozenset[str]) -> dict[str, Any]:
+    """``obj``'s fields but ``skip``, and the hybrid ones only when set (``HYBRID_FIELDS``)."""
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)
+            if f.name not in skip and getattr(obj, f.name) != HYBRID_FIELDS.get(f.name, ...)}
 
 
 def _is_digest(text: Any) -> bool:

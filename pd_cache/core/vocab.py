@@ -60,6 +60,9 @@ OFFLOAD = "offload"                 # decode's writes; same reasons, plus the pa
 DECODE = "decode"                   # reasons: step (batched forwards), token (tokens drawn)
 DEADLINE = "deadline"               # reason: dropped (requests past their deadline)
 PAGE, FAILED_BATCH = "page", "failed_batch"
+# A hybrid model's recurrent states at checkpoint pages: ``state/<reason>`` counts what
+# the read path found (hit, or a MissReason) and ``backup|offload/state`` what was written.
+STATE = "state"
 
 # What an offloaded page holds: prompt KV, or KV of generated tokens.
 PROMPT, GENERATED = "prompt", "generated"

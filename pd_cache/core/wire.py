@@ -21,7 +21,9 @@ class PrefillInfo(msgspec.Struct, frozen=True, gc=False):
     ``cached_tokens`` counts prompt tokens served by each tier; ``seed`` is the namespace
     seed of the request the KV was computed for (decode compares it with its own);
     ``cross_namespace_pages`` counts cached pages the worker refused because another
-    namespace had produced them (recomputed; 0 unless a lookup is wrong).
+    namespace had produced them (recomputed; 0 unless a lookup is wrong). A hybrid
+    model's prompt state travels beside the KV as one tensor: the state after each page of
+    ``state_pages``, then the state after the prompt's last token.
     """
 
     rid: str
@@ -34,6 +36,7 @@ class PrefillInfo(msgspec.Struct, frozen=True, gc=False):
     seed: bytes
     cross_namespace_pages: int
     compute_s: float
+    state_pages: tuple[int, ...] = ()
 
     @property
     def cached_pages(self) -> int:

@@ -12,6 +12,7 @@ reads cached pages does so under a lock, never by taking their slots.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -155,18 +156,31 @@ class PrefixCache(ABC):
         """The first ``num_pages`` pages of ``match`` (ending at their own node)."""
 
     @abstractmethod
-    def insert(self, key: CacheKey, pages: torch.Tensor, seed: bytes = b"") -> InsertResult:
+    def resume_pages(self, match: MatchResult) -> int:
+        """How many pages of ``match`` a request can resume from: all of them for a plain
+        model; for a hybrid one, up to its deepest page that keeps a recurrent state."""
+
+    @abstractmethod
+    def read_state(self, match: MatchResult, num_pages: int) -> torch.Tensor:
+        """A copy of the recurrent state after page ``num_pages - 1`` of ``match``; raises
+        ``ValueError`` if that page keeps none."""
+
+    @abstractmethod
+    def insert(self, key: CacheKey, pages: torch.Tensor, seed: bytes = b"",
+               states: Mapping[int, torch.Tensor] | None = None) -> InsertResult:
         """Cache the full pages of ``key``; ``pages[i]`` is the KV of page ``i``.
 
         ``seed`` is the namespace seed of the request that computed them, kept with each new
         page so that a reader can check it against its own request's seed (the audit that
-        does not trust the lookup).
+        does not trust the lookup). ``states`` (a hybrid model's) maps a page index to the
+        recurrent state after that page: each cached page there that keeps none gets it.
 
         Pages already cached are kept as they are (and loaded back to device if they were
         on host only); new ones get device slots, evicting unlocked pages as needed, and
         under ``write_through`` also a host copy. Insertion stops early, without error, when
         the device pool cannot make room. Raises ``ValueError`` if ``pages`` has the wrong
-        shape or dtype or fewer than ``key.num_pages`` pages.
+        shape or dtype (or a state of the wrong shape) or fewer than ``key.num_pages``
+        pages; nothing is cached then.
         """
 
     @abstractmethod

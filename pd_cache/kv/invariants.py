@@ -4,29 +4,33 @@
     device residency is prefix-closed: a node on device has its parent on device
     lock_ref(node) = own locks + sum(lock_ref(child)); the own locks add up to the count
     the pools' slots of ``owner`` are exactly the slots held by nodes, each held once
+    (the state pool's too: a state slot belongs to a node that holds a page)
 """
 
 from __future__ import annotations
 
 from pd_cache.kv.base import CacheInvariantError
 from pd_cache.kv.node import Node, iter_nodes
-from pd_cache.kv.pool import PagePool
+from pd_cache.kv.pool import PagePool, SlotPool
 
 
 def check_tree(root: Node, device: PagePool, host: PagePool, *, page_size: int,
-               num_locks: int, owner: str) -> None:
+               num_locks: int, owner: str, states: SlotPool | None = None) -> None:
     """Raise ``CacheInvariantError`` naming the first broken invariant."""
-    held: dict[str, dict[int, Node]] = {"device": {}, "host": {}}
+    held: dict[str, dict[int, Node]] = {"device": {}, "host": {}, "state": {}}
     total_locks = root.own_locks
     for n in iter_nodes(root):
         _check_node(n, page_size)
         total_locks += n.own_locks
         _claim(held["device"], n.device_slot, n, "device")
         _claim(held["host"], n.host_slot, n, "host")
+        _claim(held["state"], n.state_slot, n, "state")
     _check_lock_refs(root)
     if total_locks != num_locks:
         raise CacheInvariantError(f"{total_locks} locks on nodes, {num_locks} counted")
-    for pool in (device, host):
+    if states is None and held["state"]:
+        raise CacheInvariantError("nodes hold state slots but the tree has no state pool")
+    for pool in (device, host) if states is None else (device, host, states):
         owned = set(pool.allocator.owned_by(owner))
         if owned != set(held[pool.name]):
             raise CacheInvariantError(f"{pool.name}: pool slots owned by {owner!r} "

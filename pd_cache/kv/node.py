@@ -7,10 +7,12 @@ from collections.abc import Iterator
 
 
 class Node:
-    """One cached page: its name and tokens, where it is stored, who pins it."""
+    """One cached page: its name and tokens, where it is stored, who pins it, and (at a
+    hybrid model's checkpoint) where the recurrent state after it is kept."""
 
     __slots__ = ("name", "tokens", "parent", "children", "depth", "device_slot", "host_slot",
-                 "own_locks", "lock_ref", "last_access", "attached", "seq", "seed")
+                 "state_slot", "own_locks", "lock_ref", "last_access", "attached", "seq",
+                 "seed")
     _seq = itertools.count()
 
     def __init__(self, name: bytes = b"", tokens: tuple[int, ...] = (),
@@ -21,6 +23,7 @@ class Node:
         self.depth = 0 if parent is None else parent.depth + 1
         self.device_slot: int | None = None
         self.host_slot: int | None = None
+        self.state_slot: int | None = None
         self.own_locks = 0
         self.lock_ref = 0
         self.last_access = 0

@@ -1,7 +1,8 @@
 """Page pools: one tensor ``[capacity, *page_shape]`` plus an owner-tracking allocator.
 
 The device pool (L1) lives on the worker's torch device; the host pool (L2) in CPU memory,
-pinned when CUDA is present so host <-> device copies can overlap compute.
+pinned when CUDA is present so host <-> device copies can overlap compute. ``SlotPool`` is
+what every pool shares (``pd_cache.kv.state`` keeps recurrent states in one).
 """
 
 from __future__ import annotations
@@ -15,16 +16,16 @@ from pd_cache.kv.allocator import SlotAllocator
 from pd_cache.kv.pages import check_pages, kv_torch_dtype
 
 
-class PagePool:
-    """Fixed-capacity page storage; slots are allocated and freed with an owner."""
+class SlotPool:
+    """Fixed-capacity storage of equal tensors; slots are allocated and freed with an owner."""
 
-    def __init__(self, name: str, capacity: int, layout: KVLayout,
-                 device: torch.device | str = "cpu", *, pin_memory: bool = False) -> None:
+    def __init__(self, name: str, capacity: int, layout: KVLayout, shape: tuple[int, ...],
+                 dtype: torch.dtype, device: torch.device | str = "cpu", *,
+                 pin_memory: bool = False) -> None:
         self.name = name
         self.layout = layout
         self.allocator = SlotAllocator(capacity, name)
-        self.data = torch.zeros((capacity, *layout.page_shape),
-                                dtype=kv_torch_dtype(layout.kv_dtype), device=device,
+        self.data = torch.zeros((capacity, *shape), dtype=dtype, device=device,
                                 pin_memory=pin_memory)
 
     @property
@@ -55,15 +56,24 @@ class PagePool:
     def close(self) -> None:
         self.allocator.close()
 
+    def read(self, slots: Sequence[int]) -> torch.Tensor:
+        """A copy of what ``slots`` hold, ``[len(slots), *shape]``."""
+        return self.data[_index(slots, self.device)]
+
+
+class PagePool(SlotPool):
+    """Fixed-capacity page storage; slots are allocated and freed with an owner."""
+
+    def __init__(self, name: str, capacity: int, layout: KVLayout,
+                 device: torch.device | str = "cpu", *, pin_memory: bool = False) -> None:
+        super().__init__(name, capacity, layout, layout.page_shape,
+                         kv_torch_dtype(layout.kv_dtype), device, pin_memory=pin_memory)
+
     def write(self, slots: Sequence[int], pages: torch.Tensor) -> None:
         """Store ``pages`` ``[len(slots), *page_shape]`` into ``slots``."""
         check_pages(pages, self.layout, field=f"{self.name}.write: pages", num_pages=len(slots))
         if slots:
             self.data[_index(slots, self.device)] = pages.to(self.device, non_blocking=True)
-
-    def read(self, slots: Sequence[int]) -> torch.Tensor:
-        """A copy of the pages in ``slots``, ``[len(slots), *page_shape]``."""
-        return self.data[_index(slots, self.device)]
 
     def copy_to(self, dst: PagePool, src_slots: Sequence[int], dst_slots: Sequence[int]) -> None:
         """Copy pages ``src_slots`` of this pool into ``dst_slots`` of ``dst``."""

@@ -9,13 +9,19 @@ device pages of a match come before its host pages; ``pd_cache.kv.invariants`` l
 rest and ``check_invariants`` verifies them. A node with ``lock_ref > 0`` is pinned.
 
 Eviction is least-recently-used, leaves first: device pages move to host (or are dropped
-when the host has no room), host pages are dropped.
+when the host has no room), host pages are dropped (``pd_cache.kv.evict``).
+
+A hybrid model's tree also has a ``StatePool``: a node at a checkpoint page holds the
+recurrent state after that page in a state slot, for as long as the node lives. A match is
+resumable up to its deepest node with a state (``resume_pages``)::
+
+    match     n0 n1 n2 n3 n4 n5        KV of 6 pages
+    state              s3              resume_pages = 4: pages 4, 5 are recomputed from s3
 """
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -30,25 +36,32 @@ from pd_cache.kv.base import (
     PrefixCache,
     Tier,
 )
+from pd_cache.kv.evict import OWNER, Evicting
 from pd_cache.kv.invariants import check_tree
 from pd_cache.kv.node import Node, iter_nodes
 from pd_cache.kv.pages import check_pages
 from pd_cache.kv.pool import PagePool
+from pd_cache.kv.state import StatePool, check_states
 
-OWNER = "radix"
 
+class RadixCache(Evicting, PrefixCache):
+    """The prefix cache of one worker; see ``PrefixCache`` for the contract.
 
-class RadixCache(PrefixCache):
-    """The prefix cache of one worker; see ``PrefixCache`` for the contract."""
+    ``states`` (a hybrid model's) holds the recurrent states of checkpoint nodes.
+    """
 
     def __init__(self, device: PagePool, host: PagePool, *,
-                 write_policy: str = "write_through", stats: Stats | None = None) -> None:
+                 write_policy: str = "write_through", stats: Stats | None = None,
+                 states: StatePool | None = None) -> None:
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"cache.write_policy: expected one of {list(WRITE_POLICIES)}, "
                              f"got {write_policy!r}")
         if device.layout != host.layout:
             raise ValueError(f"layout: device pool {device.layout} != host pool {host.layout}")
-        self.device, self.host = device, host
+        if states is not None and states.layout != device.layout:
+            raise ValueError(f"layout: state pool {states.layout} != device pool "
+                             f"{device.layout}")
+        self.device, self.host, self.states = device, host, states
         self.layout = device.layout
         self.page_size = device.layout.page_size
         self.write_policy = write_policy
@@ -107,6 +120,20 @@ class RadixCache(PrefixCache):
                       else HitPage(n.name, Tier.HOST, n.host_slot, n.seed) for n in node.path())
         return MatchResult(pages, node, key)
 
+    def resume_pages(self, match: MatchResult) -> int:
+        # NOTE: without a state pool (a plain model) every page of the match resumes.
+        if self.states is None:
+            return match.num_pages
+        path = match.node.path() if match.num_pages else []
+        return next((i + 1 for i in range(len(path) - 1, -1, -1)
+                     if path[i].state_slot is not None), 0)
+
+    def read_state(self, match: MatchResult, num_pages: int) -> torch.Tensor:
+        node = match.node.path()[num_pages - 1] if 0 < num_pages <= match.num_pages else None
+        if node is None or node.state_slot is None or self.states is None:
+            raise ValueError(f"read_state: page {num_pages - 1} of the match keeps no state")
+        return self.states.read([node.state_slot])[0]
+
     def prefix_of(self, match: MatchResult, num_pages: int) -> MatchResult:
         if not 0 <= num_pages <= match.num_pages:
             raise ValueError(f"num_pages: expected 0..{match.num_pages}, got {num_pages}")
@@ -115,9 +142,15 @@ class RadixCache(PrefixCache):
 
     # -- insert ---------------------------------------------------------------------------
 
-    def insert(self, key: CacheKey, pages: torch.Tensor, seed: bytes = b"") -> InsertResult:
+    def insert(self, key: CacheKey, pages: torch.Tensor, seed: bytes = b"",
+               states: Mapping[int, torch.Tensor] | None = None) -> InsertResult:
+        # NOTE: a state goes into a slot of the state pool (ignored without a pool).
         self._check_key(key)
         check_pages(pages, self.layout, field="insert: pages")
+        for i, one in (states or {}).items() if self.states is not None else ():
+            # NOTE: checked before anything changes
+            check_states(one[None] if isinstance(one, torch.Tensor) else one, self.layout,
+                         field=f"insert: states[{i}]")
         if pages.shape[0] < key.num_pages:
             raise ValueError(f"insert: pages: expected at least {key.num_pages} pages, got "
                              f"{pages.shape[0]}")
@@ -134,7 +167,22 @@ class RadixCache(PrefixCache):
             self.unlock(node)
         last = new[-1] if new else node
         self._touch(last)
+        self._keep_states(last, states or {})
         return InsertResult(last, len(new), done + len(new))
+
+    def _keep_states(self, node: Node, states: Mapping[int, torch.Tensor]) -> None:
+        """Give the nodes of ``node``'s path at the pages of ``states`` a state slot."""
+        if self.states is None or not states:
+            return
+        path = node.path()
+        wanted = sorted(i for i in states if 0 <= i < len(path) and path[i].state_slot is None)
+        free = wanted[:self.states.num_free]   # NOTE: sized to never run out (engine)
+        if not free:
+            return
+        slots = self.states.alloc(len(free), OWNER)
+        self.states.write(slots, torch.stack([states[i] for i in free]))
+        for i, slot in zip(free, slots, strict=True):
+            path[i].state_slot = slot
 
     def _walk(self, key: CacheKey) -> tuple[Node, int]:
         """The deepest cached node of ``key`` and how many pages it covers."""
@@ -205,90 +253,6 @@ class RadixCache(PrefixCache):
     def num_locks(self) -> int:
         return self._num_locks
 
-    # -- eviction -------------------------------------------------------------------------
-
-    def evict(self, tier: Tier, num_pages: int) -> int:
-        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 0:
-            raise ValueError(f"evict: num_pages: expected an int >= 0, got {num_pages!r}")
-        if Tier(tier) == Tier.DEVICE:
-            return self._evict(num_pages, self._device_evictable, self._demote)
-        if Tier(tier) == Tier.HOST:
-            return self._evict(num_pages, self._host_evictable, self._drop_host)
-        raise ValueError(f"evict: tier: expected 'device' or 'host', got {tier!r}")
-
-    def clear(self) -> None:
-        self.evict(Tier.DEVICE, self.device.capacity)
-        self.evict(Tier.HOST, self.host.capacity)
-
-    def _evict(self, n: int, evictable: Callable[[Node], bool],
-               release: Callable[[Node], None]) -> int:
-        heap = [_entry(x) for x in iter_nodes(self.root) if evictable(x)]
-        heapq.heapify(heap)
-        freed = 0
-        while freed < n and heap:
-            node = heapq.heappop(heap)[-1]
-            if not node.attached or not evictable(node):
-                continue
-            parent = node.parent
-            release(node)
-            freed += 1
-            if parent is not None and not parent.is_root and evictable(parent):
-                heapq.heappush(heap, _entry(parent))
-        return freed
-
-    def _device_evictable(self, node: Node) -> bool:
-        return (node.device_slot is not None and node.lock_ref == 0
-                and all(c.device_slot is None for c in node.children.values()))
-
-    def _host_evictable(self, node: Node) -> bool:
-        return (node.host_slot is not None and node.lock_ref == 0
-                and (node.device_slot is not None or not node.children))
-
-    def _demote(self, node: Node) -> None:
-        """Device -> host: copy unless already there; drop the subtree if the host is full."""
-        if node.host_slot is None:
-            slots = self._reserve(self.host, 1)
-            if slots:
-                self.device.copy_to(self.host, [node.device_slot], slots)
-                node.host_slot = slots[0]
-                self.stats.count(Event.STORED, Tier.HOST.value)
-        self.device.free([node.device_slot], OWNER)
-        node.device_slot = None
-        self.stats.count(Event.EVICTED, Tier.DEVICE.value)
-        if node.host_slot is None:
-            self._drop_subtree(node)
-
-    def _drop_host(self, node: Node) -> None:
-        self.host.free([node.host_slot], OWNER)
-        node.host_slot = None
-        self.stats.count(Event.EVICTED, Tier.HOST.value)
-        if node.device_slot is None:
-            self._drop_subtree(node)
-
-    def _drop_subtree(self, node: Node) -> None:
-        """Detach ``node`` and free whatever its (unlocked, host-only) descendants hold."""
-        stack = [node]
-        while stack:
-            n = stack.pop()
-            stack.extend(n.children.values())
-            if n.device_slot is not None:
-                self.device.free([n.device_slot], OWNER)
-            if n.host_slot is not None:
-                self.host.free([n.host_slot], OWNER)
-                self.stats.count(Event.EVICTED, Tier.HOST.value)
-            n.device_slot = n.host_slot = None
-            n.children = {}
-            n.attached = False
-        if node.parent is not None:
-            del node.parent.children[node.name]
-
-    def _reserve(self, pool: PagePool, n: int) -> list[int]:
-        """Up to ``n`` slots of ``pool`` for the tree, evicting unlocked pages to make room."""
-        if pool.num_free < n:
-            tier = Tier.DEVICE if pool is self.device else Tier.HOST
-            self.evict(tier, n - pool.num_free)
-        return pool.alloc(min(n, pool.num_free), OWNER)
-
     # -- bookkeeping ----------------------------------------------------------------------
 
     def _touch(self, node: Node) -> None:
@@ -320,11 +284,10 @@ class RadixCache(PrefixCache):
     def num_host_pages(self) -> int:
         return sum(1 for n in iter_nodes(self.root) if n.host_slot is not None)
 
+    @property
+    def num_states(self) -> int:
+        return sum(1 for n in iter_nodes(self.root) if n.state_slot is not None)
+
     def check_invariants(self) -> None:
         check_tree(self.root, self.device, self.host, page_size=self.page_size,
-                   num_locks=self._num_locks, owner=OWNER)
-
-
-def _entry(node: Node) -> tuple[int, int, int, Node]:
-    # NOTE: a path is touched at one clock tick; deeper nodes go first among equals.
-    return (node.last_access, -node.depth, node.seq, node)
+                   num_locks=self._num_locks, owner=OWNER, states=self.states)

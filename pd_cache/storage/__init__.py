@@ -23,7 +23,14 @@ from pd_cache.storage.base import (
     Usage,
     usable_prefix,
 )
-from pd_cache.storage.record import KV_POOL, PageRecord, RecordHeader, make_record, verify
+from pd_cache.storage.record import (
+    KV_POOL,
+    STATE_POOL,
+    PageRecord,
+    RecordHeader,
+    make_record,
+    verify,
+)
 
 BACKENDS = STORAGE_BACKENDS   # the one registry; ``StorageConfig`` validates against it
 
@@ -52,7 +59,7 @@ def make_backend(config: StorageConfig, layout: KVLayout, *, algo: str = "xxh3_1
 
 
 __all__ = [
-    "BACKENDS", "KV_POOL", "ExtraInfo", "PageRecord", "Pending", "PoolHits", "PoolTransfer",
-    "RecordHeader", "ShardFault", "StorageBackend", "Usage", "backend_class", "make_backend",
-    "make_record", "register_backend", "usable_prefix", "verify",
+    "BACKENDS", "KV_POOL", "STATE_POOL", "ExtraInfo", "PageRecord", "Pending", "PoolHits",
+    "PoolTransfer", "RecordHeader", "ShardFault", "StorageBackend", "Usage", "backend_class",
+    "make_backend", "make_record", "register_backend", "usable_prefix", "verify",
 ]

@@ -31,6 +31,7 @@ from pd_cache.core.hashing import DIGEST_SIZES, page_hashes, token_buffer
 
 RECORD_VERSION = 3   # 2: the producer's namespace seed; 3: no token ids
 KV_POOL = "kv"
+STATE_POOL = "state"   # a hybrid model's recurrent state after the page (checkpoints only)
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
     "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8,
@@ -197,7 +198,8 @@ def verify(record: PageRecord, layout: KVLayout, algo: str, *, name: bytes,
     """Why ``record`` is not the page ``name`` of ``layout`` (``None`` when it is).
 
     Checks, cheapest first: version, fingerprint, algo, name, expected ``prior`` (when
-    known), the requested ``pool``, the ``kv`` pool against the layout, payloads against
+    known), the requested ``pool``, the ``kv`` pool (and a hybrid layout's ``state``
+    pool) against the layout, payloads against
     the header, with ``tokens`` (the reader's own page) ``name == H(prior || tokens)``,
     then every payload checksum. Without ``tokens`` (a tier: it has none) the name is
     only compared with the one asked for.
@@ -230,7 +232,7 @@ def header_problem(h: RecordHeader, layout: KVLayout, algo: str, name: bytes,
     names = [e.name for e in h.pools]
     if pool is not None and pool not in names:
         return f"pool {pool!r} not in record (has {names})"
-    return _kv_problem(h, layout)
+    return _layout_problem(h, layout)
 
 
 def tokens_problem(h: RecordHeader, layout: KVLayout, tokens: Any) -> str | None:
@@ -246,12 +248,19 @@ def tokens_problem(h: RecordHeader, layout: KVLayout, tokens: Any) -> str | None
     return None
 
 
-def _kv_problem(h: RecordHeader, layout: KVLayout) -> str | None:
+def _layout_problem(h: RecordHeader, layout: KVLayout) -> str | None:
+    """A ``kv`` payload, or a hybrid layout's ``state`` payload, that is not the layout's.
+
+    (A plain layout has no recurrent state: there ``state`` is a sidecar like any other.)
+    """
+    want = {KV_POOL: (layout.kv_dtype, layout.page_shape)}
+    if layout.has_state:
+        want[STATE_POOL] = ("float32", layout.state_shape)
     for entry in h.pools:
-        if entry.name == KV_POOL and (entry.dtype != layout.kv_dtype
-                                      or tuple(entry.shape) != layout.page_shape):
-            return (f"kv pool {entry.dtype}{list(entry.shape)}, layout says "
-                    f"{layout.kv_dtype}{list(layout.page_shape)}")
+        if entry.name in want and (entry.dtype, tuple(entry.shape)) != want[entry.name]:
+            dtype, shape = want[entry.name]
+            return (f"{entry.name} pool {entry.dtype}{list(entry.shape)}, layout says "
+                    f"{dtype}{list(shape)}")
     return None
 
 

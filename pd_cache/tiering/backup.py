@@ -3,6 +3,14 @@
 Records and checksums are built on that thread, off the request path; ``flush`` waits for
 what was issued so far. A failed batch stops that write (the pages after it would not
 chain from a stored page) and is counted; it never takes the worker down.
+
+A hybrid model's write also carries the recurrent states of its checkpoint pages. Batches
+end at those pages, and each such batch is one ``batch_set_v2``: KV of its pages and, as
+a trailing sidecar, the ``state`` of its last page::
+
+    pages   0  1  2  3 | 4  5  6  7 | 8  9        checkpoints 3, 7, 9
+    kv      x  x  x  x | x  x  x  x | x  x
+    state            x |          x |    x
 """
 
 from __future__ import annotations
@@ -10,16 +18,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 
 import torch
 
 from pd_cache.core.request import Req
-from pd_cache.core.vocab import BACKUP, FAILED_BATCH, PAGE, MissReason
-from pd_cache.storage.record import KV_POOL, make_record
-from pd_cache.tiering.chain import Chain
+from pd_cache.core.vocab import BACKUP, FAILED_BATCH, PAGE, STATE, MissReason
+from pd_cache.storage.base import PoolTransfer
+from pd_cache.storage.record import KV_POOL, STATE_POOL, PageRecord, make_record
+from pd_cache.tiering.chain import Chain, runs
 from pd_cache.tiering.link import StorageLink
 
 log = logging.getLogger("pd_cache.tiering")
@@ -36,8 +45,8 @@ class BackupWriter:
 
     def backup(self, req: Req, names: Sequence[bytes], tokens: Sequence[int],
                pages: torch.Tensor, prefix: Sequence[bytes] = (), *, skip_stored: bool = False,
-               kind: str = BACKUP, page_kind: str | None = None,
-               copy: bool = True) -> Future[None]:
+               kind: str = BACKUP, page_kind: str | None = None, copy: bool = True,
+               states: Mapping[int, torch.Tensor] | None = None) -> Future[None]:
         """Write pages ``names`` (KV ``pages[i]``, ``tokens`` of all of them) to L3 later.
 
         ``prefix`` names the chain's pages before ``names``. With ``skip_stored`` the pages
@@ -49,6 +58,10 @@ class BackupWriter:
         The pages are snapshotted before this returns, so the caller may change or reuse
         its tensor at once; ``copy=False`` is for a caller that hands over a tensor it
         made for this call and never touches again.
+
+        ``states`` (hybrid models) maps an index of ``names`` to the recurrent state after
+        that page: the write's checkpoints, each stored with the batch it ends. They are
+        always copied (a decoding state changes in place).
         """
         names, tokens = list(names), list(tokens)
         ps = self.link.page_size
@@ -57,24 +70,28 @@ class BackupWriter:
                              f"{pages.shape[0]} pages do not match (page_size {ps})")
         chain = Chain.of(req, names, prefix, algo=self.link.algo)
         snapshot = pages.detach().to("cpu", copy=copy)
-        job = self._writer.submit(self._write, req, chain, tokens, snapshot, skip_stored, kind,
-                                  page_kind)
+        kept = {i: s.detach().to("cpu", copy=True) for i, s in (states or {}).items()
+                if 0 <= i < len(names)}
+        job = self._writer.submit(self._write, req, chain, tokens, snapshot, kept, skip_stored,
+                                  kind, page_kind)
         with self._lock:
             self._pending = [f for f in self._pending if not f.done()] + [job]
         return job
 
     def _write(self, req: Req, chain: Chain, tokens: list[int], pages: torch.Tensor,
-               skip_stored: bool, kind: str, page_kind: str | None) -> None:
+               states: dict[int, torch.Tensor], skip_stored: bool, kind: str,
+               page_kind: str | None) -> None:
         started, start, stored = time.perf_counter(), len(chain.names), 0
         try:
             start = self.link.query(req, chain, count=False) if skip_stored else 0
             prefix = self.link.start_prefix(chain)
             prefix = None if prefix is None else prefix + chain.names[:start]
-            size = self.link.config.batch_pages
-            for lo in range(start, len(chain.names), size):
-                batch = chain.names[lo:lo + size]
+            ends = {i - start for i in states if i >= start}
+            for run in runs(len(chain.names) - start, self.link.config.batch_pages, ends):
+                lo, hi = start + run.start, start + run.stop
+                batch = chain.names[lo:hi]
                 done = self._write_batch(req, chain, lo, batch, tokens, pages, prefix, kind,
-                                         page_kind)
+                                         page_kind, states.get(hi - 1))
                 stored += done
                 if done < len(batch):
                     break
@@ -86,17 +103,24 @@ class BackupWriter:
 
     def _write_batch(self, req: Req, chain: Chain, lo: int, batch: list[bytes],
                      tokens: list[int], pages: torch.Tensor, prefix: list[bytes] | None,
-                     kind: str, page_kind: str | None) -> int:
-        """Store one batch; how many of its pages, from the first, L3 acknowledged."""
-        link, ps = self.link, self.link.page_size
-        records = [make_record(name, chain.prior(lo + i),
-                               tokens[(lo + i) * ps:(lo + i + 1) * ps],
-                               {KV_POOL: pages[lo + i]}, fingerprint=link.layout.fingerprint,
-                               algo=link.algo, seed=chain.seed)
-                   for i, name in enumerate(batch)]
+                     kind: str, page_kind: str | None, state: torch.Tensor | None) -> int:
+        """Store one batch (and the state of its last page, when given); how many of its
+        pages, from the first, L3 acknowledged."""
+        link = self.link
+        records = [self._record(chain, lo + i, tokens, {KV_POOL: pages[lo + i]})
+                   for i in range(len(batch))]
+        info = link.info(req, chain, prefix)
         try:
-            acks = link.storage.submit_set(batch, records, link.info(req, chain, prefix)) \
-                .result(link.call_timeout_s)
+            if state is None:
+                acks = link.storage.submit_set(batch, records, info).result(link.call_timeout_s)
+            else:
+                last = self._record(chain, lo + len(batch) - 1, tokens, {STATE_POOL: state})
+                acks, state_acks = link.storage.submit_set_v2(
+                    [PoolTransfer(KV_POOL, batch, records),
+                     PoolTransfer(STATE_POOL, batch[-1:], [last])], info
+                ).result(link.call_timeout_s)
+                if all(acks) and list(state_acks) == [True]:
+                    self.stats.count(kind, STATE)
         except Exception as e:  # noqa: BLE001
             link.fault(req, kind, MissReason.STORAGE_ERROR, e, 0)
             acks = []
@@ -112,6 +136,14 @@ class BackupWriter:
                         kind, stored, len(batch))
             self.stats.count(kind, FAILED_BATCH)
         return stored
+
+    def _record(self, chain: Chain, i: int, tokens: list[int],
+                pools: dict[str, torch.Tensor]) -> PageRecord:
+        """The record of page ``chain.names[i]`` holding ``pools``."""
+        ps, link = self.link.page_size, self.link
+        return make_record(chain.names[i], chain.prior(i), tokens[i * ps:(i + 1) * ps], pools,
+                           fingerprint=link.layout.fingerprint, algo=link.algo,
+                           seed=chain.seed)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for every backup issued so far; ``False`` if some are still running."""

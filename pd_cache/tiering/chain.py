@@ -9,7 +9,7 @@ names before them; nothing in the tiering layer hashes a prompt again::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import NamedTuple
 
 from pd_cache.core.hashing import namespace_seed
@@ -39,3 +39,18 @@ class Chain(NamedTuple):
 def batches(names: list[bytes], size: int) -> list[list[bytes]]:
     """``names`` cut into runs of at most ``size``, in order."""
     return [names[i:i + size] for i in range(0, len(names), size)]
+
+
+def runs(n: int, size: int, ends: Collection[int] = ()) -> list[range]:
+    """Indexes ``0 .. n - 1`` cut into runs of at most ``size``, in order; an index in
+    ``ends`` closes its run (so a sidecar pool covering that page is a trailing one)::
+
+        n = 10, size = 4, ends = {3, 7, 9}     0..3 | 4..7 | 8..9
+        n = 10, size = 3, ends = {4}           0..2 | 3..4 | 5..7 | 8..9
+    """
+    out, lo = [], 0
+    for i in range(n):
+        if i - lo + 1 == size or i in ends or i == n - 1:
+            out.append(range(lo, i + 1))
+            lo = i + 1
+    return out

@@ -30,18 +30,20 @@ class CacheController:
     make room); prefetched pages land there. ``call_timeout_s`` bounds every wait on an
     asynchronous backend (``wait_complete`` included); in-process backends answer at once.
     ``metrics`` (optional) records each request's prefetch and write: pages, bytes,
-    seconds, by outcome.
+    seconds, by outcome. ``state_every`` (a hybrid layout's ``state_every_pages``) says
+    where the read path looks for recurrent states.
     """
 
     def __init__(self, storage: StorageBackend, host_pool: PagePool, config: StorageConfig,
                  *, algo: str = "xxh3_128", stats: Stats | None = None,
                  alloc: Alloc | None = None, call_timeout_s: float = 30.0,
-                 metrics: PDCacheMetrics | None = None) -> None:
+                 metrics: PDCacheMetrics | None = None, state_every: int = 4) -> None:
         self.stats = stats if stats is not None else Stats()
         self.link = StorageLink(storage, config, host_pool.layout, algo=algo,
                                 stats=self.stats, call_timeout_s=call_timeout_s,
-                                metrics=metrics)
+                                metrics=metrics, state_every=state_every)
         self.page_size, self.algo = self.link.page_size, algo
+        self.state_every = state_every
         self.reader = Prefetcher(self.link, host_pool, alloc)
         self.writer = BackupWriter(self.link)
         self.prefetch = self.reader.prefetch

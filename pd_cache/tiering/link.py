@@ -32,11 +32,13 @@ class StorageLink:
     """One worker's calls to one ``StorageBackend``; ``call_timeout_s`` bounds each wait.
 
     ``metrics`` (``None``: record nothing) receives every transfer both paths make.
+    ``state_every`` is a hybrid layout's ``state_every_pages`` (where the read path looks
+    for recurrent states; see ``pd_cache.kv.state``).
     """
 
     def __init__(self, storage: StorageBackend, config: StorageConfig, layout: KVLayout, *,
                  algo: str, stats: Stats, call_timeout_s: float,
-                 metrics: PDCacheMetrics | None = None) -> None:
+                 metrics: PDCacheMetrics | None = None, state_every: int = 4) -> None:
         if not isinstance(storage, StorageBackend):
             raise ValueError(f"storage: expected a StorageBackend, got {type(storage).__name__}")
         if not isinstance(config, StorageConfig):
@@ -47,6 +49,7 @@ class StorageLink:
         self.page_size, self.algo = layout.page_size, algo
         self.stats, self.call_timeout_s = stats, call_timeout_s
         self.metrics = metrics
+        self.has_state, self.state_every = layout.has_state, state_every
         self.page_nbytes = math.prod(layout.page_shape) * \
             kv_torch_dtype(layout.kv_dtype).itemsize
 

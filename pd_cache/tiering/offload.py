@@ -10,10 +10,15 @@ of ``prompt + output`` computes, and the next turn of a conversation finds them:
 
 Only pages whose every token has KV are written (decode never computes the KV of the
 last token it draws). All writes go through the controller's background thread.
+
+A hybrid model's writes carry the recurrent state at their checkpoint pages (every
+``state_every`` pages and each write's last page; ``pd_cache.kv.state``): the prompt's
+as prefill handed them over, the generated pages' as decode recorded them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +28,7 @@ from pd_cache.core.request import Req
 from pd_cache.core.request import compute_prefix_hash as chain_names
 from pd_cache.core.vocab import GENERATED, OFFLOAD, PROMPT
 from pd_cache.kv.pages import kv_to_pages
+from pd_cache.kv.state import checkpoints
 from pd_cache.tiering.controller import CacheController
 
 
@@ -66,25 +72,29 @@ class DecodeOffloadManager:
         return chain_names(req, tokens, prior, page_size=self.page_size,
                            algo=self.controller.algo)
 
-    def offload_kv_cache(self, req: Req, prompt_pages: torch.Tensor) -> OffloadState:
+    def offload_kv_cache(self, req: Req, prompt_pages: torch.Tensor,
+                         states: Mapping[int, torch.Tensor] | None = None) -> OffloadState:
         """Decode starts: write the prompt's full pages that L3 lacks (in the background).
 
-        ``prompt_pages`` ``[>= n // page_size, *page_shape]`` hold the prompt's KV.
+        ``prompt_pages`` ``[>= n // page_size, *page_shape]`` hold the prompt's KV;
+        ``states`` (hybrid) the recurrent state after some of its pages, by page index.
         """
         full = len(req.input_ids) // self.page_size
         names = self.compute_prefix_hash(req, req.input_ids[:full * self.page_size])
         if names:
             self.controller.backup(req, names, req.input_ids[:full * self.page_size],
                                    prompt_pages[:full], skip_stored=True, kind=OFFLOAD,
-                                   page_kind=PROMPT)
+                                   page_kind=PROMPT, states=states)
         return OffloadState(req, names)
 
     def advance(self, state: OffloadState, tokens: list[int], kv: torch.Tensor,
-                num_computed: int, *, final: bool = False) -> int:
+                num_computed: int, *, final: bool = False,
+                page_states: Mapping[int, torch.Tensor] | None = None) -> int:
         """``kv`` ``[2, L, >= num_computed, Hkv, D]`` now holds the KV of the first
         ``num_computed`` of ``tokens`` (``prompt + output`` so far): once ``stride`` tokens
         wait past the pages already written (or ``final``), write the full pages among
-        them. Returns the number of pages sent."""
+        them, with the states of ``page_states`` (by page index; hybrid) at their
+        checkpoints. Returns the number of pages sent."""
         ps, done = self.page_size, state.num_pages
         full = num_computed // ps
         waiting = num_computed - done * ps
@@ -93,8 +103,11 @@ class DecodeOffloadManager:
         tokens = tokens[done * ps:full * ps]
         names = self.compute_prefix_hash(state.req, tokens, state.last_name)
         pages = kv_to_pages(kv[:, :, done * ps:full * ps], ps)
+        states = {i - done: page_states[i]
+                  for i in checkpoints(done, full - 1, self.controller.state_every)
+                  if page_states and i in page_states}
         # NOTE: kv_to_pages made ``pages`` for this call alone: no snapshot needed.
         self.controller.backup(state.req, names, tokens, pages, state.names, kind=OFFLOAD,
-                               page_kind=GENERATED, copy=False)
+                               page_kind=GENERATED, copy=False, states=states)
         state.names = state.names + names
         return len(names)

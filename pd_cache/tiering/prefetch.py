@@ -7,6 +7,17 @@
 A page that does not arrive in time, does not verify, or is missing ends the prefetch
 there: the pages after it are recomputed. Slots for pages that did not land are freed
 here, exactly once.
+
+A hybrid model's batches end at the pages where a recurrent state may be kept (every
+``state_every`` pages, and the last page of the hit); each such batch is one
+``batch_get_v2`` of its KV and, as a trailing sidecar, the ``state`` of its last page::
+
+    pages     4  5  6  7 | 8  9 10 11 | 12 13       after a local hit of 4, every = 4
+    kv        x  x  x  x | x  x  x  x | x  x        (one v2 get per batch)
+    state              ? |          ? |     ?       states found: the resumable ends
+
+A state that is missing or does not verify is never served: the prefix then ends at the
+last page before it that has one (``Prefetched.resume_pages``).
 """
 
 from __future__ import annotations
@@ -19,32 +30,45 @@ from typing import Any
 import torch
 
 from pd_cache.core.request import Req
-from pd_cache.core.vocab import PREFETCH_ACK, PREFETCH_BATCH, Event, MissReason, Tier
+from pd_cache.core.vocab import PREFETCH_ACK, PREFETCH_BATCH, STATE, Event, MissReason, Tier
 from pd_cache.kv.pool import PagePool
-from pd_cache.storage.base import Pending
-from pd_cache.storage.record import KV_POOL, PageRecord, verify
-from pd_cache.tiering.chain import Chain, batches
+from pd_cache.storage.base import Pending, PoolTransfer
+from pd_cache.storage.record import KV_POOL, STATE_POOL, PageRecord, verify
+from pd_cache.tiering.chain import Chain, runs
 from pd_cache.tiering.link import StorageLink
 
 log = logging.getLogger("pd_cache.tiering")
 
 Alloc = Callable[[int, str], list[int]]
+Answer = dict[str, list[Any]]   # pool -> a record or None per key asked
 
 
 class Prefetched:
     """Pages a prefetch landed in host slots, in chain order; ``release`` frees the slots.
 
     ``cross_namespace`` counts records refused because another namespace produced them.
+    ``states`` (hybrid models): the verified recurrent state after page ``i`` of the
+    landed pages, for each ``i`` where one was found.
     """
 
     def __init__(self, pool: PagePool, slots: list[int], owner: str,
-                 cross_namespace: int = 0) -> None:
+                 cross_namespace: int = 0, states: dict[int, torch.Tensor] | None = None,
+                 has_state: bool = False) -> None:
         self.pool, self.slots, self.owner = pool, slots, owner
         self.cross_namespace = cross_namespace
+        self.states, self.has_state = states or {}, has_state
 
     @property
     def num_pages(self) -> int:
         return len(self.slots)
+
+    @property
+    def resume_pages(self) -> int:
+        """Landed pages a request can resume from: all of them for a plain model; for a
+        hybrid one, up to the last page with a state (0 if none)."""
+        if not self.has_state:
+            return self.num_pages
+        return max((i + 1 for i in self.states if i < self.num_pages), default=0)
 
     def read(self) -> torch.Tensor:
         """A copy of the landed pages, ``[num_pages, *page_shape]``."""
@@ -81,9 +105,10 @@ class Prefetcher:
         hits = self.link.query(req, chain) if chain.names else 0
         slots = self._alloc(hits, owner) if hits else []
         refused: list[bytes] = []
+        states: dict[int, torch.Tensor] = {}
         try:
             landed = self._load(req, chain._replace(names=chain.names[:len(slots)]), slots,
-                                policy or self.config.prefetch_policy, refused)
+                                policy or self.config.prefetch_policy, refused, states)
         except Exception as e:  # noqa: BLE001 - a malformed answer is a miss, never a failure
             self.link.fault(req, "prefetch", MissReason.STORAGE_ERROR, e, len(slots))
             landed = 0
@@ -91,7 +116,8 @@ class Prefetcher:
         if landed:
             self.stats.count(Event.HIT, Tier.STORAGE, landed)
         self.link.observe("prefetch", landed, hits, started)
-        return Prefetched(self.host, slots[:landed], owner, len(refused))
+        return Prefetched(self.host, slots[:landed], owner, len(refused), states,
+                          self.link.has_state)
 
     def deadline(self, policy: str, num_tokens: int) -> float | None:
         """When the policy stops waiting (``time.monotonic()`` scale); ``None``: no wait."""
@@ -104,43 +130,63 @@ class Prefetcher:
         return time.monotonic() + min(bound, c.prefetch_timeout_max_s)
 
     def _load(self, req: Req, chain: Chain, slots: list[int], policy: str,
-              refused: list[bytes]) -> int:
+              refused: list[bytes], states: dict[int, torch.Tensor]) -> int:
         """Submit every batch, then land them in order; one ack per batch issued.
-        Names of records another namespace produced are added to ``refused``."""
-        runs = batches(chain.names, self.config.batch_pages)
+        Names of records another namespace produced are added to ``refused``, verified
+        states to ``states``."""
+        asks = self._state_pages(chain)
+        batches = runs(len(chain.names), self.config.batch_pages, asks)
         prefix, issued = self.link.start_prefix(chain), []
-        for batch in runs:
-            issued.append(self._submit_get(batch, self.link.info(req, chain, prefix)))
+        for run in batches:
+            batch = chain.names[run.start:run.stop]
+            issued.append(self._submit_get(batch, run.stop - 1 in asks,
+                                           self.link.info(req, chain, prefix)))
             self.stats.count(PREFETCH_BATCH)
             prefix = None if prefix is None else prefix + batch
         deadline = self.deadline(policy, len(chain.names) * self.link.page_size)
         landed, going = 0, True
-        for batch, pending in zip(runs, issued):
-            got = (self._land(req, chain, landed, batch, pending, slots, deadline, refused)
+        for run, pending in zip(batches, issued):
+            got = (self._land(req, chain, run, pending, slots, deadline, refused, states)
                    if going else 0)
-            self.stats.count(PREFETCH_ACK, "ok" if got == len(batch) else "short")
+            self.stats.count(PREFETCH_ACK, "ok" if got == len(run) else "short")
             landed += got
-            going = going and got == len(batch)
+            going = going and got == len(run)
         return landed
 
-    def _submit_get(self, batch: list[bytes], info: Any) -> Pending[Any] | Exception:
+    def _state_pages(self, chain: Chain) -> set[int]:
+        """Indexes of ``chain.names`` whose state the read path asks for (hybrid only)."""
+        if not self.link.has_state or not chain.names:
+            return set()
+        every, before = self.link.state_every, len(chain.prefix)
+        return {i for i in range(len(chain.names)) if (before + i + 1) % every == 0} | \
+            {len(chain.names) - 1}
+
+    def _submit_get(self, batch: list[bytes], with_state: bool,
+                    info: Any) -> Pending[Answer] | Exception:
+        """One batch's get: the KV pool alone (the v1 call), or KV and, as a trailing
+        sidecar, the state of its last page (``batch_get_v2``)."""
         try:
-            return self.link.storage.submit_get(batch, info)
+            if not with_state:
+                return self.link.storage.submit_get(batch, info).then(_kv_answer)
+            transfers = [PoolTransfer(KV_POOL, batch), PoolTransfer(STATE_POOL, batch[-1:])]
+            return self.link.storage.submit_get_v2(transfers, info).then(_answer)
         except Exception as e:  # noqa: BLE001 - counted when the batch is landed
             return e
 
-    def _land(self, req: Req, chain: Chain, start: int, batch: list[bytes],
-              pending: Pending[Any] | Exception, slots: list[int],
-              deadline: float | None, refused: list[bytes]) -> int:
-        """Verify one batch's records and copy the leading good ones to their slots."""
-        records = self._wait(req, pending, deadline, len(batch))
-        if records is None:
+    def _land(self, req: Req, chain: Chain, run: range, pending: Pending[Answer] | Exception,
+              slots: list[int], deadline: float | None, refused: list[bytes],
+              states: dict[int, torch.Tensor]) -> int:
+        """Verify one batch's records and copy the leading good ones to their slots; keep
+        the batch's state if it asked for one and every page of the batch landed."""
+        start, batch = run.start, chain.names[run.start:run.stop]
+        answer = self._wait(req, pending, deadline, len(batch))
+        if answer is None:
             return 0
-        records = records[:len(batch)] + [None] * (len(batch) - len(records))  # short: misses
+        records = _padded(answer.get(KV_POOL), len(batch))   # short: misses
         good: list[torch.Tensor] = []
         for i, (name, record) in enumerate(zip(batch, records)):
             reason = self._check(req, record, name, chain.prior(start + i), chain.seed,
-                                 self._page_tokens(req, chain, start + i))
+                                 self._page_tokens(req, chain, start + i), KV_POOL)
             if reason is MissReason.CROSS_NAMESPACE:
                 refused.extend(batch[i:])   # counted like every miss: the pages it costs
             if reason is not None:
@@ -151,10 +197,23 @@ class Prefetcher:
             good.append(record.payload(KV_POOL))
         if good:
             self.host.write(slots[start:start + len(good)], torch.stack(good))
+        if STATE_POOL in answer and len(good) == len(batch):
+            self._keep_state(req, chain, run.stop - 1, _padded(answer[STATE_POOL], 1)[0],
+                             states)
         return len(good)
 
-    def _wait(self, req: Req, pending: Pending[Any] | Exception, deadline: float | None,
-              n: int) -> list[PageRecord | None] | None:
+    def _keep_state(self, req: Req, chain: Chain, i: int, record: PageRecord | None,
+                    states: dict[int, torch.Tensor]) -> None:
+        """Add the state after page ``i`` to ``states`` if ``record`` verifies as it."""
+        reason = self._check(req, record, chain.names[i], chain.prior(i), chain.seed,
+                             self._page_tokens(req, chain, i), STATE_POOL)
+        self.stats.count(STATE, "hit" if reason is None else reason)
+        if reason is None:
+            # NOTE: a copy: the payload may be a read-only view of shared memory.
+            states[i] = record.payload(STATE_POOL).clone()
+
+    def _wait(self, req: Req, pending: Pending[Answer] | Exception, deadline: float | None,
+              n: int) -> Answer | None:
         if isinstance(pending, Exception):
             self.link.fault(req, "get", MissReason.STORAGE_ERROR, pending, n)
             return None
@@ -163,7 +222,7 @@ class Prefetcher:
                 self.stats.count(Event.MISS, MissReason.TIMEOUT, n)   # best_effort: not yet
                 return None
             left = 0.0 if deadline is None else max(0.0, deadline - time.monotonic())
-            return list(pending.result(left))
+            return pending.result(left)
         except Exception as e:  # noqa: BLE001
             self.link.fault(req, "get", MissReason.STORAGE_ERROR, e, n)
             return None
@@ -180,7 +239,7 @@ class Prefetcher:
         return req.input_ids[at:at + ps]
 
     def _check(self, req: Req, record: PageRecord | None, name: bytes, prior: bytes,
-               seed: bytes, tokens: list[int]) -> MissReason | None:
+               seed: bytes, tokens: list[int], pool: str) -> MissReason | None:
         if record is None:
             return MissReason.NOT_STORED
         if record.header.seed != seed:
@@ -190,16 +249,30 @@ class Prefetcher:
                       req.rid, name.hex())
             return MissReason.CROSS_NAMESPACE
         problem = verify(record, self.link.layout, self.link.algo, name=name, prior=prior,
-                         pool=KV_POOL, tokens=tokens)
+                         pool=pool, tokens=tokens)
         if problem:
-            log.warning("request %s: L3 record %s does not verify: %s", req.rid, name.hex(),
-                        problem)
+            log.warning("request %s: L3 %s record %s does not verify: %s", req.rid, pool,
+                        name.hex(), problem)
             self.stats.count(Event.VERIFICATION_FAILED, Tier.STORAGE)
             return MissReason.VERIFICATION_FAILED
         return None
 
     def _alloc_free(self, n: int, owner: str) -> list[int]:
         return self.host.alloc(min(n, self.host.num_free), owner)
+
+
+def _kv_answer(pages: Any) -> Answer:
+    return {KV_POOL: list(pages)}
+
+
+def _answer(transfers: Any) -> Answer:
+    return {t.pool: list(t.pages or []) for t in transfers}
+
+
+def _padded(pages: list[Any] | None, n: int) -> list[Any]:
+    """``n`` entries: what came, cut or padded with ``None`` (a short answer's misses)."""
+    pages = list(pages or [])[:n]
+    return pages + [None] * (n - len(pages))
 
 
 def _missing_reason(pending: Pending[Any]) -> MissReason:

@@ -97,10 +97,11 @@ class PrefillActor(_Host):
         super().__init__(PrefillWorker, config, worker_id, storage_handles, threads,
                          storage_timeout_s)
 
-    @ray.method(num_returns=2)
-    def prefill(self, req: Req) -> tuple[PrefillInfo, torch.Tensor]:
-        info, pages = self.worker.prefill(req)
-        return info, pages
+    @ray.method(num_returns=3)
+    def prefill(self, req: Req) -> tuple[PrefillInfo, torch.Tensor, torch.Tensor | None]:
+        """-> info, the prompt's KV pages, a hybrid prompt's states (``None`` when plain)."""
+        info, pages, states = self.worker.prefill(req)
+        return info, pages, states
 
 
 class DecodeActor(_Host):
@@ -123,8 +124,11 @@ class DecodeActor(_Host):
         """Each token after the first as it is drawn, then the ``DecodeInfo``."""
         req.check_deadline("handoff")
         start = time.perf_counter()
-        pages = ray.get(page_refs[0])
-        yield from self.worker.decode_stream(req, info, pages, time.perf_counter() - start)
+        # NOTE: [pages] or [pages, states] (a hybrid prompt's recurrent state).
+        got = ray.get(list(page_refs[:2]))
+        states = got[1] if len(got) > 1 else None
+        yield from self.worker.decode_stream(req, info, got[0], time.perf_counter() - start,
+                                             states)
 
     def cancel(self, rid: str) -> None:
         self.worker.cancel(rid)
@@ -156,7 +160,8 @@ def prefill_actor(config: PDCacheConfig, worker_id: int, storage_handles: Sequen
                   *, threads: int = 1, num_cpus: float = 0, max_restarts: int = 0,
                   storage_timeout_s: float | None = 10.0,
                   actor: ActorOptions | None = None) -> Any:
-    """A ``PrefillActor`` handle; ``prefill.remote(req)`` returns ``(info_ref, pages_ref)``.
+    """A ``PrefillActor`` handle; ``prefill.remote(req)`` returns ``(info_ref, pages_ref,
+    states_ref)`` (states: a hybrid prompt's, ``None`` when plain).
 
     ``max_restarts`` (-1: always) brings a killed process back; its calls are not retried
     by Ray (the router retries a request elsewhere). ``actor``: more Ray actor options
@@ -169,7 +174,8 @@ def decode_actor(config: PDCacheConfig, worker_id: int, storage_handles: Sequenc
                  *, threads: int = 1, num_cpus: float = 0, max_restarts: int = 0,
                  storage_timeout_s: float | None = 10.0, max_batch: int = 1,
                  actor: ActorOptions | None = None) -> Any:
-    """A ``DecodeActor`` handle; ``decode.remote(req, info, [pages_ref])`` -> ``DecodeInfo``.
+    """A ``DecodeActor`` handle; ``decode.remote(req, info, [pages_ref, states_ref])`` ->
+    ``DecodeInfo`` (``[pages_ref]`` alone for a plain model).
 
     ``max_batch > 1``: up to that many requests decode together; the actor then takes
     more calls at once than it batches (the rest wait in the batcher's queue). Restarts and

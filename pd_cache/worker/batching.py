@@ -38,7 +38,7 @@ from pd_cache.core.request import DeadlineExceeded, Req
 from pd_cache.core.vocab import DEADLINE
 from pd_cache.metrics import PDCacheMetrics
 from pd_cache.worker.engine import LocalEngine
-from pd_cache.worker.outputs import DecodeSeq
+from pd_cache.worker.outputs import DecodeSeq, PromptState
 
 
 class _Job(NamedTuple):
@@ -49,6 +49,7 @@ class _Job(NamedTuple):
     done: Future[list[int]]
     on_token: Callable[[int], None] | None = None
     submitted: float = 0.0   # time.perf_counter() when handed in
+    state: PromptState | None = None   # a hybrid prompt's recurrent state
 
 
 Active = list[tuple[DecodeSeq, _Job]]
@@ -73,23 +74,24 @@ class DecodeBatcher:
         self._thread.start()
 
     def decode(self, req: Req, pages: torch.Tensor, num_prompt_tokens: int,
-               first_token: int) -> list[int]:
+               first_token: int, state: PromptState | None = None) -> list[int]:
         """Like ``LocalEngine.decode`` (same checks, same tokens), batched with the other
         requests in flight; blocks until this one is done."""
-        return self.submit(req, pages, num_prompt_tokens, first_token).result()
+        return self.submit(req, pages, num_prompt_tokens, first_token, state=state).result()
 
     def submit(self, req: Req, pages: torch.Tensor, num_prompt_tokens: int,
-               first_token: int,
-               on_token: Callable[[int], None] | None = None) -> Future[list[int]]:
-        """Hand a request in; ``on_token(t)`` sees each token after the first as it is
-        drawn. The future holds every token, or the error that ended the request."""
+               first_token: int, on_token: Callable[[int], None] | None = None, *,
+               state: PromptState | None = None) -> Future[list[int]]:
+        """Hand a request in (with a hybrid prompt's ``state``); ``on_token(t)`` sees each
+        token after the first as it is drawn. The future holds every token, or the error
+        that ended the request."""
         if self._closed:
             raise RuntimeError("DecodeBatcher: closed")
         done: Future[list[int]] = Future()
         self._live.add(req.rid)
         done.add_done_callback(lambda _: self._forget(req.rid))   # however it ends
         self._queue.put(_Job(req, pages, num_prompt_tokens, first_token, done, on_token,
-                             time.perf_counter()))
+                             time.perf_counter(), state))
         return done
 
     def cancel(self, rid: str) -> None:
@@ -152,7 +154,7 @@ class DecodeBatcher:
                 continue
             try:
                 seq = self.engine.start_decode(job.req, job.pages, job.num_prompt_tokens,
-                                               job.first_token)
+                                               job.first_token, job.state)
             except Exception as e:  # noqa: BLE001 - the caller gets it
                 job.done.set_exception(e)
                 continue

@@ -12,7 +12,13 @@ workers can run them in different processes, handing the prompt's KV pages acros
     decode(req, pages, n, first)  greedy/seeded steps over a private KV buffer; with L3
                   the DecodeOffloadManager backs up prompt and generated pages
     start_decode / decode_step / finish_decode   the same, for several requests whose
-                  steps run batched in one forward (continuous batching, see batching.py)
+                  steps run batched in one forward (continuous batching, see batching.py;
+                  the decode half lives in decoding.py)
+
+A hybrid model resumes a prefix from its pages' KV and the recurrent state after its last
+page, so a cached prefix ends at its last page that has a state (radix node or L3 record;
+``pd_cache.kv.state``). Prefill keeps the states of its write's checkpoints (radix, L3)
+and hands decode the prompt's (``PromptState``); decode steps the state with the KV.
 
 Not thread-safe: a worker drives it from one loop (L3 writes run on their own thread).
 """
@@ -27,21 +33,23 @@ from pd_cache.core.config import PDCacheConfig
 from pd_cache.core.hashing import namespace_seed, to_hex
 from pd_cache.core.request import Req
 from pd_cache.core.stats import Stats
-from pd_cache.core.vocab import DECODE, Event, MissReason, Tier
+from pd_cache.core.vocab import Event, MissReason, Tier
 from pd_cache.kv import CacheKey, MatchResult, PagePool, RadixCache, SlotError
 from pd_cache.kv.pool import device_pool, host_pool
+from pd_cache.kv.state import StatePool, checkpoints
 from pd_cache.metrics import PDCacheMetrics
 from pd_cache.storage.base import StorageBackend
 from pd_cache.tiering.controller import CacheController
 from pd_cache.tiering.offload import DecodeOffloadManager
+from pd_cache.worker.decoding import Decoding
 from pd_cache.worker.digest import model_layout
 from pd_cache.worker.model import Model, check_pages, kv_to_pages, pages_to_kv, sample
-from pd_cache.worker.outputs import DecodeSeq, PrefillOutput, Result, StoredPages
+from pd_cache.worker.outputs import PrefillOutput, PromptState, Result, StoredPages
 
 log = logging.getLogger(__name__)
 
 
-class LocalEngine:
+class LocalEngine(Decoding):
     """Model, pools and radix cache of one worker. Cache off: ``device_pages=0``.
 
     ``storage`` (any ``StorageBackend``: an in-process backend or a ``StorageClient`` over
@@ -66,8 +74,14 @@ class LocalEngine:
         self.device_pool: PagePool = device_pool(self.layout, int(self.config.cache.device_pages),
                                                  device)
         self.host_pool: PagePool = host_pool(self.layout, int(self.config.cache.host_pages))
+        self.state_every = self.config.cache.state_every_pages
+        # NOTE: a node holds a device or a host page, and at most one state: this many state
+        # slots never run out.
+        self.state_pool = (StatePool(self.device_pool.capacity + self.host_pool.capacity,
+                                     self.layout, device) if self.layout.has_state else None)
         self.cache = RadixCache(self.device_pool, self.host_pool,
-                                write_policy=self.config.cache.write_policy, stats=self.stats)
+                                write_policy=self.config.cache.write_policy, stats=self.stats,
+                                states=self.state_pool)
         self.controller: CacheController | None = None
         self.offload: DecodeOffloadManager | None = None
         if storage is not None and self.config.storage.enabled:
@@ -75,7 +89,7 @@ class LocalEngine:
                                               algo=self.config.cache.hash_algo,
                                               stats=self.stats, alloc=self._host_slots,
                                               call_timeout_s=storage_timeout_s,
-                                              metrics=metrics)
+                                              metrics=metrics, state_every=self.state_every)
             self.offload = DecodeOffloadManager(self.controller, stride=offload_stride)
 
     # -- the request path -----------------------------------------------------------------
@@ -83,7 +97,8 @@ class LocalEngine:
     def generate(self, req: Req) -> Result:
         """Prefill then decode in this process; fills ``req.output_ids``."""
         out = self.prefill(req)
-        tokens = self.decode(req, out.kv_pages, out.num_prompt_tokens, out.first_token)
+        tokens = self.decode(req, out.kv_pages, out.num_prompt_tokens, out.first_token,
+                             out.state)
         return Result(req.rid, tokens, out.cached_tokens, out.logits)
 
     def prefill(self, req: Req) -> PrefillOutput:
@@ -119,28 +134,56 @@ class LocalEngine:
 
     def _prefill_locked(self, req: Req, key: CacheKey, match: MatchResult, usable: int,
                         seed: bytes, refused: int) -> PrefillOutput:
-        # NOTE: ``match`` keeps the tiers the pages were found in; load-back moves them.
-        prefix = self.cache.read_pages(self.cache.load_back(match))
         wanted = key.names[match.num_pages:usable]
         stored = self._match_storage(req, wanted, key.names[:match.num_pages])
         check_pages(stored.pages, self.layout, field="_match_storage: pages")
         if stored.pages.shape[0] > len(wanted):
             raise ValueError(f"_match_storage: pages: {stored.pages.shape[0]} pages for "
                              f"{len(wanted)} names")
+        if not stored.pages.shape[0]:   # a hybrid local hit ends at its last state
+            match = self.cache.prefix_of(match, self.cache.resume_pages(match))
+        # NOTE: ``match`` keeps the tiers the pages were found in; load-back moves them.
+        prefix = self.cache.read_pages(self.cache.load_back(match))
+        known = self._resumed_states(match, stored)
         prefix = torch.cat([prefix, stored.pages.to(prefix.device)])
-        num_cached = prefix.shape[0] * self.page_size
+        done = prefix.shape[0]
+        num_cached = done * self.page_size
         prefix_kv = pages_to_kv(prefix, num_cached, self.layout)
-        out = self.model(req.input_ids[num_cached:], prefix_kv)
+        out = self.model(req.input_ids[num_cached:], prefix_kv, state=known.get(done - 1),
+                         state_at=self._state_at(done, key.num_pages))
         pages = kv_to_pages(torch.cat([prefix_kv, out.kv], dim=2), self.page_size)
-        self.cache.insert(key, pages, seed)
-        self._write_through(req, key, prefix.shape[0], pages)
+        kept = {} if out.states is None else dict(zip(
+            checkpoints(done, key.num_pages - 1, self.state_every), out.states))
+        self.cache.insert(key, pages, seed, {**known, **kept})
+        self._write_through(req, key, done, pages, kept)
         logits = out.logits[-1]
         cached = {Tier.DEVICE.value: match.count(Tier.DEVICE) * self.page_size,
                   Tier.HOST.value: match.count(Tier.HOST) * self.page_size,
                   Tier.STORAGE.value: stored.pages.shape[0] * self.page_size}
+        state = None if out.state is None else PromptState(out.state, {**known, **kept})
         return PrefillOutput(req.rid, sample(logits, req.sampling, 0), pages,
                              len(req.input_ids), key.names, cached, logits, seed,
-                             refused + stored.cross_namespace)
+                             refused + stored.cross_namespace, state)
+
+    def _state_at(self, done: int, num_pages: int) -> list[int]:
+        """Counts of new tokens after which a hybrid prefill keeps the state: the ends of
+        its checkpoint pages (none for a plain model)."""
+        if not self.layout.has_state:
+            return []
+        ps = self.page_size
+        return [(i + 1 - done) * ps for i in checkpoints(done, num_pages - 1, self.state_every)]
+
+    def _resumed_states(self, match: MatchResult,
+                        stored: StoredPages) -> dict[int, torch.Tensor]:
+        """A hybrid prefix's known states by page index: what L3 supplied, or the state of
+        the local hit's last page (the one prefill resumes from). Empty when plain."""
+        if not self.layout.has_state:
+            return {}
+        if stored.pages.shape[0]:
+            return {match.num_pages + i: s for i, s in (stored.states or {}).items()}
+        if not match.num_pages:
+            return {}
+        return {match.num_pages - 1: self.cache.read_state(match, match.num_pages)}
 
     def _match_storage(self, req: Req, names: tuple[bytes, ...],
                        prefix: tuple[bytes, ...]) -> StoredPages:
@@ -155,7 +198,10 @@ class LocalEngine:
                                            dtype=self.device_pool.data.dtype))
         fetched = self.controller.prefetch(req, names, prefix)
         try:
-            return StoredPages(fetched.read(), fetched.cross_namespace)
+            # NOTE: a hybrid prefix ends at its last page with a state (none: no page).
+            n = fetched.resume_pages
+            return StoredPages(fetched.read()[:n], fetched.cross_namespace,
+                               {i: s for i, s in fetched.states.items() if i < n})
         finally:
             fetched.release()
 
@@ -165,95 +211,27 @@ class LocalEngine:
             self.cache.evict(Tier.HOST, n - self.host_pool.num_free)
         return self.host_pool.alloc(min(n, self.host_pool.num_free), owner)
 
-    def _write_through(self, req: Req, key: CacheKey, num_cached: int,
-                       pages: torch.Tensor) -> None:
-        """Back up the prompt's newly computed full pages to L3, in the background."""
+    def _write_through(self, req: Req, key: CacheKey, num_cached: int, pages: torch.Tensor,
+                       states: dict[int, torch.Tensor]) -> None:
+        """Back up the prompt's newly computed full pages (and a hybrid model's states at
+        their checkpoints) to L3, in the background."""
         if self.controller is None or num_cached >= key.num_pages:
             return
         ps = self.page_size
         self.controller.backup(req, key.names[num_cached:],
                                key.tokens[num_cached * ps:key.num_pages * ps],
-                               pages[num_cached:key.num_pages], key.names[:num_cached])
-
-    def compute_prompt(self, req: Req) -> tuple[torch.Tensor, int]:
-        """The prompt's KV pages and first token computed from scratch, no cache touched
-        (what decode falls back to when handed-off KV fails its audit)."""
-        self._check_request(req)
-        out = self.model(req.input_ids, None)
-        return kv_to_pages(out.kv, self.page_size), sample(out.logits[-1], req.sampling, 0)
-
-    def decode(self, req: Req, prompt_kv_pages: torch.Tensor, num_prompt_tokens: int,
-               first_token: int) -> list[int]:
-        """Generate ``req.max_new_tokens`` tokens after the prompt; fills ``req.output_ids``.
-
-        ``prompt_kv_pages`` are treated as read-only (they may be a shared-memory view).
-        Raises ``ValueError`` if they have the wrong shape, dtype or page count, or if
-        ``num_prompt_tokens`` or ``first_token`` do not fit the request and the model.
-        One request alone; ``start_decode`` / ``decode_step`` / ``finish_decode`` run
-        several in one batch.
-        """
-        seq = self.start_decode(req, prompt_kv_pages, num_prompt_tokens, first_token)
-        while not seq.done:
-            req.check_deadline("decode")
-            self.decode_step([seq])
-        return self.finish_decode(seq)
-
-    def start_decode(self, req: Req, prompt_kv_pages: torch.Tensor, num_prompt_tokens: int,
-                     first_token: int) -> DecodeSeq:
-        """Check the handoff, copy the prompt's KV into a private buffer, start offload."""
-        self._check_request(req)
-        if num_prompt_tokens != len(req.input_ids):
-            raise ValueError(f"num_prompt_tokens: {num_prompt_tokens} != prompt length "
-                             f"{len(req.input_ids)} of request {req.rid!r}")
-        vocab = self.config.model.vocab_size
-        if isinstance(first_token, bool) or not isinstance(first_token, int) \
-                or not 0 <= first_token < vocab:
-            raise ValueError(f"first_token: expected a token id in [0, {vocab}), got "
-                             f"{first_token!r}")
-        kv = pages_to_kv(prompt_kv_pages, num_prompt_tokens, self.layout)
-        state = None
-        if self.offload is not None:
-            state = self.offload.offload_kv_cache(req, prompt_kv_pages)
-        n, steps = num_prompt_tokens, req.max_new_tokens
-        # NOTE: one buffer for the whole sequence; the last token's KV is never needed.
-        buf = kv.new_empty((*kv.shape[:2], n + max(steps, 1) - 1, *kv.shape[3:]))
-        buf[:, :, :n] = kv
-        tokens = [first_token] if steps else []
-        return DecodeSeq(req, buf, n, tokens, list(req.input_ids) + tokens, state)
-
-    def decode_step(self, seqs: list[DecodeSeq]) -> None:
-        """One token for every unfinished sequence of ``seqs``, in one batched forward."""
-        live = [s for s in seqs if not s.done]
-        if not live:
-            return
-        logits = self.model.decode_step([s.tokens[-1] for s in live], [s.buf for s in live],
-                                        [s.pos for s in live])
-        self.stats.count(DECODE, "step")
-        self.stats.count(DECODE, "token", len(live))
-        for seq, row in zip(live, logits):
-            token = sample(row, seq.req.sampling, len(seq.tokens))
-            seq.tokens.append(token)
-            seq.seq.append(token)
-            seq.pos += 1
-            if seq.state is not None:
-                self.offload.advance(seq.state, seq.seq, seq.buf, seq.pos)
-
-    def finish_decode(self, seq: DecodeSeq) -> list[int]:
-        """Offload the last full pages; fills ``req.output_ids``; returns the tokens."""
-        if seq.state is not None and seq.req.max_new_tokens:
-            self.offload.advance(seq.state, seq.seq, seq.buf, seq.pos, final=True)
-        seq.req.output_ids = list(seq.tokens)
-        return list(seq.tokens)
-
-    def _check_request(self, req: Req) -> None:
-        req.check_model(vocab_size=self.config.model.vocab_size,
-                        max_context=self.config.model.max_context)
+                               pages[num_cached:key.num_pages], key.names[:num_cached],
+                               states={i - num_cached: s for i, s in states.items()})
 
     # -- for tests and operators ----------------------------------------------------------
 
     def pool_usage(self) -> dict[str, dict[str, int]]:
-        """Slots held per pool, by owner (``"radix"`` for cached pages)."""
-        return {"device": self.device_pool.usage(), "host": self.host_pool.usage()}
+        """Slots held per pool, by owner (``"radix"`` for cached pages; a hybrid model's
+        ``state`` pool too)."""
+        usage = {"device": self.device_pool.usage(), "host": self.host_pool.usage()}
+        if self.state_pool is not None:
+            usage["state"] = self.state_pool.usage()
+        return usage
 
     def page_names(self, req: Req) -> list[str]:
         """Hex names of ``req``'s full prompt pages as this process computes them (debug)."""
@@ -296,3 +274,5 @@ class LocalEngine:
         self.cache.clear()
         self.device_pool.close()
         self.host_pool.close()
+        if self.state_pool is not None:
+            self.state_pool.close()

@@ -1,18 +1,23 @@
 """The reference model: a small decoder-only transformer whose KV moves in pages.
 
-RMSNorm, rotary positions, grouped-query attention and a SwiGLU MLP. Weights are drawn from
-``torch.Generator().manual_seed(cfg.seed)``, so every process builds the identical model and
-nothing is downloaded. Compute is float32; K and V are rounded to ``cfg.kv_dtype`` as soon as
-they are produced, in every path, so attention over a prefix read back from a page equals
-attention over the same prefix computed in the same forward.
+RMSNorm, rotary positions, grouped-query attention and a SwiGLU MLP (``layers``). Weights
+are drawn from ``torch.Generator().manual_seed(cfg.seed)``, so every process builds the
+identical model and nothing is downloaded. Compute is float32; K and V are rounded to
+``cfg.kv_dtype`` as soon as they are produced, in every path, so attention over a prefix
+read back from a page equals attention over the same prefix computed in the same forward.
 
-KV goes in and out contiguous, ``[2, L, T, Hkv, D]``; ``pd_cache.kv.pages`` (re-exported
-here) converts to and from pages ``[n, 2, L, page_size, Hkv, D]`` and checks them.
+A hybrid model (``cfg.layer_pattern``) has recurrent layers between the attention layers.
+Their state (``[R, hidden]`` float32, one row per recurrent layer) is what a resumed prefix
+needs besides its KV: ``forward`` takes the state after the prefix and returns the state
+after the new tokens, and after any of them asked for (``state_at``: page boundaries).
+
+KV goes in and out contiguous, ``[2, L, T, Hkv, D]`` (L: the attention layers);
+``pd_cache.kv.pages`` (re-exported here) converts to and from pages
+``[n, 2, L, page_size, Hkv, D]`` and checks them.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -20,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pd_cache.core.config import ModelConfig
+from pd_cache.core.config import ATTENTION, ModelConfig
 from pd_cache.core.request import Req, SamplingParams
 from pd_cache.kv.pages import (
     KV_TORCH_DTYPES,
@@ -31,14 +36,20 @@ from pd_cache.kv.pages import (
     num_pages_for,
     pages_to_kv,
 )
+from pd_cache.worker.layers import Attention, Recurrence, RMSNorm, Rotary, weight
 
 
 class ForwardOutput(NamedTuple):
     """``logits``: float32 ``[T, V]`` (``[1, V]`` for the last token only);
-    ``kv``: the new tokens' KV, ``[2, L, T, Hkv, D]`` in the KV dtype."""
+    ``kv``: the new tokens' KV, ``[2, L, T, Hkv, D]`` in the KV dtype; for a hybrid model
+    ``state``: the recurrent state after the last token ``[R, hidden]``, and ``states``:
+    the state after each ``state_at`` count of new tokens ``[len(state_at), R, hidden]``
+    (both ``None`` for a plain model)."""
 
     logits: torch.Tensor
     kv: torch.Tensor
+    state: torch.Tensor | None = None
+    states: torch.Tensor | None = None
 
 
 class Generation(NamedTuple):
@@ -48,116 +59,27 @@ class Generation(NamedTuple):
     logits: list[torch.Tensor]
 
 
-def _weight(g: torch.Generator, rows: int, cols: int) -> nn.Parameter:
-    w = torch.randn(rows, cols, generator=g) / math.sqrt(cols)
-    return nn.Parameter(w, requires_grad=False)
+class _MLPBlock(nn.Module):
+    """A pre-norm layer: a token mixer (attention or recurrence), then a SwiGLU MLP."""
+
+    def _add_mlp(self, cfg: ModelConfig, g: torch.Generator) -> None:
+        self.mlp_norm = RMSNorm(cfg.hidden_size)
+        self.w_gate = weight(g, cfg.intermediate_size, cfg.hidden_size)
+        self.w_up = weight(g, cfg.intermediate_size, cfg.hidden_size)
+        self.w_down = weight(g, cfg.hidden_size, cfg.intermediate_size)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.mlp_norm(x)
+        return x + F.linear(F.silu(F.linear(h, self.w_gate)) * F.linear(h, self.w_up),
+                            self.w_down)
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
-
-
-class Rotary(nn.Module):
-    """Rotary position embedding (rotate-half form), tables precomputed for the context."""
-
-    def __init__(self, head_dim: int, max_context: int, theta: float) -> None:
-        super().__init__()
-        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-        angles = torch.outer(torch.arange(max_context, dtype=torch.float64), inv_freq)
-        angles = torch.cat([angles, angles], dim=-1)
-        self.register_buffer("cos", angles.cos().float(), persistent=False)
-        self.register_buffer("sin", angles.sin().float(), persistent=False)
-
-    def forward(self, x: torch.Tensor, start: int) -> torch.Tensor:
-        """Rotate ``x`` ``[T, H, D]`` for positions ``start .. start + T - 1``."""
-        end = start + x.shape[0]
-        cos, sin = self.cos[start:end, None, :], self.sin[start:end, None, :]
-        return _rotate(x, cos, sin)
-
-    def at(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x`` ``[B, H, D]``, row ``b`` for position ``positions[b]``."""
-        return _rotate(x, self.cos[positions][:, None, :], self.sin[positions][:, None, :])
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, g: torch.Generator, rotary: Rotary) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = (cfg.num_heads, cfg.num_kv_heads,
-                                                             cfg.head_dim)
-        self.kv_dtype = kv_torch_dtype(cfg.kv_dtype)
-        self.rotary = rotary
-        self.wq = _weight(g, cfg.num_heads * cfg.head_dim, cfg.hidden_size)
-        self.wk = _weight(g, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size)
-        self.wv = _weight(g, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size)
-        self.wo = _weight(g, cfg.hidden_size, cfg.num_heads * cfg.head_dim)
-
-    def forward(self, x: torch.Tensor, past: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x`` ``[T, hidden]`` after ``past`` ``[2, P, Hkv, D]`` -> output, new KV."""
-        t, start = x.shape[0], past.shape[1]
-        q = self.rotary(F.linear(x, self.wq).view(t, self.num_heads, self.head_dim), start)
-        k = self.rotary(F.linear(x, self.wk).view(t, self.num_kv_heads, self.head_dim), start)
-        v = F.linear(x, self.wv).view(t, self.num_kv_heads, self.head_dim)
-        # NOTE: round to the storage dtype before attending, so the cached and uncached
-        # paths attend over exactly the same values.
-        new = torch.stack([k, v]).to(self.kv_dtype)
-        kv = torch.cat([past.float(), new.float()], dim=1)
-        # NOTE: 4-D inputs [1, H, T, D]: on CPU only those take the fused kernel (3-D ones
-        # fall back to the math path, ~6x slower).
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], kv[0].transpose(0, 1)[None], kv[1].transpose(0, 1)[None],
-            attn_mask=_causal_mask(t, start), enable_gqa=True)
-        return F.linear(out[0].transpose(0, 1).reshape(t, -1), self.wo), new
-
-    def step(self, x: torch.Tensor, bufs: Sequence[torch.Tensor], layer: int,
-             positions: list[int], pos: torch.Tensor) -> torch.Tensor:
-        """One new token per sequence: ``x`` ``[B, hidden]``; row ``b`` is at position
-        ``positions[b]`` of ``bufs[b]`` ``[2, L, >P, Hkv, D]``, whose KV it writes there and
-        then attends over (keys ``0 .. positions[b]``)."""
-        b, g = x.shape[0], self.num_heads // self.num_kv_heads
-        q = self.rotary.at(F.linear(x, self.wq).view(b, self.num_heads, self.head_dim), pos)
-        k = self.rotary.at(F.linear(x, self.wk).view(b, self.num_kv_heads, self.head_dim), pos)
-        v = F.linear(x, self.wv).view(b, self.num_kv_heads, self.head_dim)
-        new = torch.stack([k, v], dim=1).to(self.kv_dtype)   # [B, 2, Hkv, D]
-        outs = []
-        for i, (buf, p) in enumerate(zip(bufs, positions, strict=True)):
-            buf[:, layer, p] = new[i]
-            kv = buf[:, layer, :p + 1].float().transpose(1, 2)   # [2, Hkv, P + 1, D]
-            # NOTE: one query token: the g query heads of a KV group are folded into the
-            # query rows of that group (``[1, Hkv, g, D]``), so no mask and no GQA expansion.
-            outs.append(F.scaled_dot_product_attention(
-                q[i].view(1, self.num_kv_heads, g, self.head_dim), kv[0:1], kv[1:2]))
-        out = torch.cat(outs).reshape(b, -1)
-        return F.linear(out, self.wo)
-
-
-def _causal_mask(t: int, start: int) -> torch.Tensor | None:
-    """Query i (position ``start + i``) sees keys ``0 .. start + i``; ``None`` = sees all."""
-    if t == 1:
-        return None
-    keys = torch.arange(start + t)
-    return keys[None, :] <= (torch.arange(t) + start)[:, None]
-
-
-class Block(nn.Module):
+class Block(_MLPBlock):
     def __init__(self, cfg: ModelConfig, g: torch.Generator, rotary: Rotary) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size)
         self.attn = Attention(cfg, g, rotary)
-        self.mlp_norm = RMSNorm(cfg.hidden_size)
-        self.w_gate = _weight(g, cfg.intermediate_size, cfg.hidden_size)
-        self.w_up = _weight(g, cfg.intermediate_size, cfg.hidden_size)
-        self.w_down = _weight(g, cfg.hidden_size, cfg.intermediate_size)
+        self._add_mlp(cfg, g)
 
     def forward(self, x: torch.Tensor, past: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         attn, new = self.attn(self.attn_norm(x), past)
@@ -169,10 +91,21 @@ class Block(nn.Module):
         x = x + self.attn.step(self.attn_norm(x), bufs, layer, positions, pos)
         return self._mlp(x)
 
-    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.mlp_norm(x)
-        return x + F.linear(F.silu(F.linear(h, self.w_gate)) * F.linear(h, self.w_up),
-                            self.w_down)
+
+class RecurrentBlock(_MLPBlock):
+    def __init__(self, cfg: ModelConfig, g: torch.Generator) -> None:
+        super().__init__()
+        self.rec_norm = RMSNorm(cfg.hidden_size)
+        self.rec = Recurrence(cfg, g)
+        self._add_mlp(cfg, g)
+
+    def forward(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> output, and the state after each token ``[T, hidden]``."""
+        out, states = self.rec(self.rec_norm(x), state)
+        return self._mlp(x + out), states
+
+    def step(self, x: torch.Tensor, states: Sequence[torch.Tensor]) -> torch.Tensor:
+        return self._mlp(x + self.rec.step(self.rec_norm(x), states))
 
 
 class Model(nn.Module):
@@ -186,9 +119,10 @@ class Model(nn.Module):
         rotary = Rotary(cfg.head_dim, cfg.max_context, cfg.rope_theta)
         self.embed = nn.Parameter(torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g),
                                   requires_grad=False)
-        self.blocks = nn.ModuleList(Block(cfg, g, rotary) for _ in range(cfg.num_layers))
+        self.blocks = nn.ModuleList(Block(cfg, g, rotary) if kind == ATTENTION
+                                    else RecurrentBlock(cfg, g) for kind in cfg.kinds)
         self.norm = RMSNorm(cfg.hidden_size)
-        self.lm_head = _weight(g, cfg.vocab_size, cfg.hidden_size)
+        self.lm_head = weight(g, cfg.vocab_size, cfg.hidden_size)
         self.to(device).eval()
 
     @property
@@ -197,37 +131,57 @@ class Model(nn.Module):
 
     @torch.no_grad()
     def forward(self, token_ids: Any, past_kv: torch.Tensor | None = None, *,
-                all_logits: bool = False) -> ForwardOutput:
-        """Run ``token_ids`` after the prefix whose KV is ``past_kv`` ``[2, L, P, Hkv, D]``.
+                all_logits: bool = False, state: torch.Tensor | None = None,
+                state_at: Sequence[int] = ()) -> ForwardOutput:
+        """Run ``token_ids`` after the prefix whose KV is ``past_kv`` ``[2, L, P, Hkv, D]``
+        and, for a hybrid model, whose recurrent state is ``state`` ``[R, hidden]`` (``None``:
+        zeros, the state before any token). ``state_at``: counts of new tokens (1..T) after
+        which the state is also returned (``ForwardOutput.states``).
 
-        Raises ``ValueError`` for a token id outside the vocabulary, a ``past_kv`` of the
-        wrong shape or dtype, or ``P + T`` beyond the model's context.
+        Raises ``ValueError`` for a token id outside the vocabulary, a ``past_kv`` or
+        ``state`` of the wrong shape or dtype, a ``state_at`` outside 1..T, or ``P + T``
+        beyond the model's context.
         """
         ids = self._check_ids(token_ids)
         past = self._check_past(past_kv)
         self._check_context(past.shape[2], len(ids))
+        h0 = self._check_state(state)
+        at = _check_state_at(state_at, len(ids))
         x = self.embed[ids]
-        new_kv = []
-        for layer, block in enumerate(self.blocks):
-            x, new = block(x, past[:, layer])
-            new_kv.append(new)
+        new_kv, finals, kept = [], [], []
+        for block, kind in zip(self.blocks, self.cfg.kinds, strict=True):
+            if kind == ATTENTION:
+                x, new = block(x, past[:, len(new_kv)])
+                new_kv.append(new)
+            else:
+                x, states = block(x, h0[len(finals)])
+                finals.append(states[-1])
+                kept.append(states[at])
         x = x if all_logits else x[-1:]
-        return ForwardOutput(F.linear(self.norm(x), self.lm_head), torch.stack(new_kv, dim=1))
+        logits = F.linear(self.norm(x), self.lm_head)
+        if not finals:
+            return ForwardOutput(logits, torch.stack(new_kv, dim=1))
+        return ForwardOutput(logits, torch.stack(new_kv, dim=1), torch.stack(finals),
+                             torch.stack(kept, dim=1))
 
     @torch.no_grad()
     def decode_step(self, token_ids: Sequence[int], bufs: Sequence[torch.Tensor],
-                    positions: Sequence[int]) -> torch.Tensor:
+                    positions: Sequence[int],
+                    states: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
         """One token for each of ``B`` sequences in one forward; returns logits ``[B, V]``.
 
         Sequence ``b`` has the KV of its first ``positions[b]`` tokens in ``bufs[b]``
         ``[2, L, > positions[b], Hkv, D]`` (its own buffer, any length); its new token's KV
-        is written in place at ``positions[b]``. Linear layers run batched, attention per
-        sequence (each over its own length): the decode half of continuous batching.
-        Raises ``ValueError`` for a token id outside the vocabulary or a buffer of the
-        wrong shape, dtype or length.
+        is written in place at ``positions[b]``. A hybrid model also takes each sequence's
+        recurrent state after those tokens, ``states[b]`` ``[R, hidden]``, and advances it
+        in place. Linear layers run batched, attention per sequence (each over its own
+        length): the decode half of continuous batching.
+        Raises ``ValueError`` for a token id outside the vocabulary or a buffer or state of
+        the wrong shape, dtype or length.
         """
         ids = self._check_ids(token_ids)
         positions = [int(p) for p in positions]
+        states = self._check_step_states(states, len(ids))
         if not len(ids) == len(bufs) == len(positions):
             raise ValueError(f"decode_step: {len(ids)} tokens, {len(bufs)} buffers and "
                              f"{len(positions)} positions differ in number")
@@ -238,8 +192,14 @@ class Model(nn.Module):
                                  f"tokens (model context {self.cfg.max_context})")
         pos = torch.tensor(positions, device=self.device)
         x = self.embed[ids]
-        for layer, block in enumerate(self.blocks):
-            x = block.step(x, bufs, layer, positions, pos)
+        attention = recurrent = 0
+        for block, kind in zip(self.blocks, self.cfg.kinds, strict=True):
+            if kind == ATTENTION:
+                x = block.step(x, bufs, attention, positions, pos)
+                attention += 1
+            else:
+                x = block.step(x, [s[recurrent] for s in states])
+                recurrent += 1
         return F.linear(self.norm(x), self.lm_head)
 
     def _check_ids(self, token_ids: Any) -> torch.Tensor:
@@ -257,10 +217,28 @@ class Model(nn.Module):
     def _check_past(self, past_kv: torch.Tensor | None) -> torch.Tensor:
         cfg = self.cfg
         if past_kv is None:
-            return torch.empty(2, cfg.num_layers, 0, cfg.num_kv_heads, cfg.head_dim,
+            return torch.empty(2, cfg.attention_layers, 0, cfg.num_kv_heads, cfg.head_dim,
                                dtype=self.kv_dtype, device=self.device)
         check_kv(past_kv, cfg, field="past_kv")
         return past_kv.to(self.device)
+
+    def _check_state(self, state: torch.Tensor | None) -> torch.Tensor:
+        cfg = self.cfg
+        if state is None:
+            return torch.zeros(cfg.recurrent_layers, cfg.hidden_size, device=self.device)
+        check_state(state, cfg)
+        return state.to(self.device)
+
+    def _check_step_states(self, states: Sequence[torch.Tensor] | None,
+                           n: int) -> Sequence[torch.Tensor]:
+        if not self.cfg.recurrent_layers:
+            return ()
+        if states is None or len(states) != n:
+            raise ValueError(f"states: a hybrid model steps {n} sequences with one recurrent "
+                             f"state each, got {'none' if states is None else len(states)}")
+        for i, s in enumerate(states):
+            check_state(s, self.cfg, field=f"states[{i}]")
+        return states
 
     def _check_context(self, num_past: int, num_new: int) -> None:
         if num_past + num_new > self.cfg.max_context:
@@ -271,10 +249,28 @@ class Model(nn.Module):
 def check_kv(kv: Any, cfg: ModelConfig, *, field: str = "kv") -> None:
     """A contiguous KV tensor ``[2, L, T, Hkv, D]`` of the model's KV dtype, or ValueError."""
     check_tensor(kv, field, kv_torch_dtype(cfg.kv_dtype))
-    want = (2, cfg.num_layers, None, cfg.num_kv_heads, cfg.head_dim)
+    layers = cfg.attention_layers
+    want = (2, layers, None, cfg.num_kv_heads, cfg.head_dim)
     if kv.ndim != 5 or any(w is not None and w != s for w, s in zip(want, kv.shape, strict=True)):
-        raise ValueError(f"{field}: expected shape [2, {cfg.num_layers}, T, "
+        raise ValueError(f"{field}: expected shape [2, {layers}, T, "
                          f"{cfg.num_kv_heads}, {cfg.head_dim}], got {list(kv.shape)}")
+
+
+def check_state(state: Any, cfg: ModelConfig, *, field: str = "state") -> None:
+    """A float32 recurrent state ``[R, hidden]`` of a hybrid model, or ValueError."""
+    check_tensor(state, field, torch.float32)
+    want = (cfg.recurrent_layers, cfg.hidden_size)
+    if tuple(state.shape) != want:
+        raise ValueError(f"{field}: expected shape {list(want)}, got {list(state.shape)}")
+
+
+def _check_state_at(state_at: Sequence[int], num_new: int) -> list[int]:
+    """Row indexes (count - 1) of ``state_at``; ValueError for a count outside 1..T."""
+    for i, count in enumerate(state_at):
+        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= num_new:
+            raise ValueError(f"state_at[{i}]: expected a count of new tokens in "
+                             f"[1, {num_new}], got {count!r}")
+    return [count - 1 for count in state_at]
 
 
 def sample(logits: torch.Tensor, sampling: SamplingParams, step: int) -> int:
@@ -309,6 +305,6 @@ def reference_generate(model: Model, req: Req) -> Generation:
 
 __all__ = [
     "ForwardOutput", "Generation", "KV_TORCH_DTYPES", "Model", "check_kv",
-    "check_pages", "kv_to_pages", "kv_torch_dtype", "num_pages_for", "pages_to_kv",
+    "check_pages", "check_state", "kv_to_pages", "kv_torch_dtype", "num_pages_for", "pages_to_kv",
     "reference_generate", "sample",
 ]

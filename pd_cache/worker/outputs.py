@@ -1,16 +1,42 @@
 """What the engine hands out: a prefill's output (``PrefillOutput``, with what L3
-supplied, ``StoredPages``), a finished request (``Result``) and a request being decoded
-(``DecodeSeq``)."""
+supplied, ``StoredPages``, and a hybrid prompt's recurrent state, ``PromptState``), a
+finished request (``Result``) and a request being decoded (``DecodeSeq``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import NamedTuple
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 
+from pd_cache.core.config import KVLayout
 from pd_cache.core.request import Req
+from pd_cache.kv.state import check_states
 from pd_cache.tiering.offload import OffloadState
+
+
+class PromptState(NamedTuple):
+    """A hybrid prompt's recurrent state, as prefill hands it to decode: ``final`` after the
+    last prompt token ``[*state_shape]``, and ``pages[i]`` after page ``i`` for the
+    checkpoint pages prefill knows (what decode writes to L3 with the prompt's KV).
+
+    On the wire it is one tensor ``[len(pages) + 1, *state_shape]`` (``pack``): the page
+    states in ``page_ids`` order, then ``final``.
+    """
+
+    final: torch.Tensor
+    pages: dict[int, torch.Tensor]
+
+    def pack(self) -> tuple[torch.Tensor, tuple[int, ...]]:
+        ids = tuple(sorted(self.pages))
+        return torch.stack([*(self.pages[i] for i in ids), self.final]), ids
+
+    @classmethod
+    def unpack(cls, stacked: Any, page_ids: Sequence[int], layout: KVLayout) -> PromptState:
+        """The state ``pack`` made; ``ValueError`` naming what does not fit ``layout``."""
+        check_states(stacked, layout, field="handoff states", num=len(page_ids) + 1)
+        return cls(stacked[-1], {int(i): stacked[k] for k, i in enumerate(page_ids)})
 
 
 class PrefillOutput(NamedTuple):
@@ -22,7 +48,8 @@ class PrefillOutput(NamedTuple):
     ``logits`` ``[vocab]`` are those ``first_token`` was drawn from; ``seed`` is the
     request's namespace seed (the KV's producer, for the reader's audit);
     ``cross_namespace_pages`` counts cached pages refused because another namespace
-    produced them (recomputed instead; 0 unless a lookup is wrong).
+    produced them (recomputed instead; 0 unless a lookup is wrong); ``state`` is a hybrid
+    prompt's recurrent state (``None`` for a plain model).
     """
 
     rid: str
@@ -34,14 +61,17 @@ class PrefillOutput(NamedTuple):
     logits: torch.Tensor
     seed: bytes = b""
     cross_namespace_pages: int = 0
+    state: PromptState | None = None
 
 
 class StoredPages(NamedTuple):
     """What L3 supplied: ``pages`` for the leading names, and the pages it offered that
-    another namespace had produced (refused)."""
+    another namespace had produced (refused). For a hybrid model ``pages`` end at a page
+    with a state, and ``states[i]`` is the state after page ``i`` (the last one at least)."""
 
     pages: torch.Tensor
     cross_namespace: int = 0
+    states: dict[int, torch.Tensor] | None = None
 
 
 class Result(NamedTuple):
@@ -56,7 +86,10 @@ class Result(NamedTuple):
 @dataclass(eq=False)
 class DecodeSeq:
     """One request being decoded: its KV buffer, where the next token's KV goes, the
-    tokens drawn so far (``seq`` = prompt + tokens, kept for offload naming)."""
+    tokens drawn so far (``seq`` = prompt + tokens, kept for offload naming). A hybrid
+    model's: its recurrent state after ``pos`` tokens (``recurrent``, advanced in place)
+    and, while it offloads, the state after each page completed since the last write
+    (``page_states``)."""
 
     req: Req
     buf: torch.Tensor
@@ -64,6 +97,8 @@ class DecodeSeq:
     tokens: list[int]
     seq: list[int]
     state: OffloadState | None
+    recurrent: torch.Tensor | None = None
+    page_states: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def done(self) -> bool:

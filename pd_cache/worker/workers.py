@@ -4,8 +4,10 @@ They import and run without Ray (``pd_cache.worker.actors`` hosts them in actors
 between them is typed: ``PrefillInfo`` (small, msgspec) travels next to the prompt's KV
 pages (one tensor, handed over as an ObjectRef), and ``DecodeInfo`` comes back::
 
-    PrefillWorker.prefill(req)  -> PrefillResult(info: PrefillInfo, kv_pages)
-    DecodeWorker.decode(req, info, kv_pages, handoff_s) -> DecodeInfo
+    PrefillWorker.prefill(req)  -> PrefillResult(info: PrefillInfo, kv_pages, states)
+    DecodeWorker.decode(req, info, kv_pages, handoff_s, states) -> DecodeInfo
+
+(``states``: a hybrid prompt's recurrent state, ``PromptState.pack``; ``None`` when plain.)
 
 Every reader audits the namespace without trusting the lookup: the prefill engine compares
 the producer's namespace seed stored with each cached page (radix node, L3 record) with its
@@ -33,6 +35,7 @@ from pd_cache.core.wire import DecodeInfo, PrefillInfo, WorkerState
 from pd_cache.metrics import PDCacheMetrics
 from pd_cache.worker.batching import DecodeBatcher
 from pd_cache.worker.engine import LocalEngine
+from pd_cache.worker.outputs import PromptState
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +43,7 @@ log = logging.getLogger(__name__)
 class PrefillResult(NamedTuple):
     info: PrefillInfo
     kv_pages: torch.Tensor
+    states: torch.Tensor | None = None
 
 
 class _Worker:
@@ -111,11 +115,12 @@ class PrefillWorker(_Worker):
         out = self.engine.prefill(req)
         seconds = time.perf_counter() - start
         cached = {tier: int(out.cached_tokens.get(tier, 0)) for tier in TIERS}
+        states, state_pages = out.state.pack() if out.state is not None else (None, ())
         info = PrefillInfo(req.rid, self.worker_id, out.first_token, out.num_prompt_tokens,
                            self.page_size, tuple(out.page_names), cached, out.seed,
-                           out.cross_namespace_pages, seconds)
+                           out.cross_namespace_pages, seconds, state_pages)
         self._record(req, info)
-        return PrefillResult(info, out.kv_pages)
+        return PrefillResult(info, out.kv_pages, states)
 
     def _record(self, req: Req, info: PrefillInfo) -> None:
         if self.metrics is None:
@@ -147,14 +152,16 @@ class DecodeWorker(_Worker):
         self._record_lock = threading.Lock()
 
     def decode(self, req: Req, info: PrefillInfo, kv_pages: torch.Tensor,
-               handoff_s: float = 0.0) -> DecodeInfo:
-        """Every token at once. Raises ``ValueError`` if the pages or ``info`` do not fit the
-        request, ``DeadlineExceeded`` past its deadline."""
-        *_, result = self.decode_stream(req, info, kv_pages, handoff_s)
+               handoff_s: float = 0.0, states: torch.Tensor | None = None) -> DecodeInfo:
+        """Every token at once. Raises ``ValueError`` if the pages, ``states`` (a hybrid
+        prompt's) or ``info`` do not fit the request, ``DeadlineExceeded`` past its
+        deadline."""
+        *_, result = self.decode_stream(req, info, kv_pages, handoff_s, states)
         return result
 
     def decode_stream(self, req: Req, info: PrefillInfo, kv_pages: torch.Tensor,
-                      handoff_s: float = 0.0) -> Iterator[int | DecodeInfo]:
+                      handoff_s: float = 0.0,
+                      states: torch.Tensor | None = None) -> Iterator[int | DecodeInfo]:
         """Each token after the first as it is drawn, then the ``DecodeInfo`` (whose
         ``output_ids`` has them all, the first included). Errors as ``decode``."""
         if info.rid != req.rid:
@@ -163,10 +170,13 @@ class DecodeWorker(_Worker):
         # writes into them: decode copies them into its own KV buffer, offload snapshots.
         start = time.perf_counter()
         received, first, refused = kv_pages, info.first_token, self._audit(req, info)
+        state = None if states is None else PromptState.unpack(states, info.state_pages,
+                                                               self.engine.layout)
         if refused:
-            kv_pages, first = self.engine.compute_prompt(req)
+            kv_pages, first, state = self.engine.compute_prompt(req)
         drawn: queue.SimpleQueue[int] = queue.SimpleQueue()
-        done = self.batcher.submit(req, kv_pages, info.num_prompt_tokens, first, drawn.put)
+        done = self.batcher.submit(req, kv_pages, info.num_prompt_tokens, first, drawn.put,
+                                   state=state)
         while not done.done() or not drawn.empty():
             try:
                 yield drawn.get(timeout=0.05)

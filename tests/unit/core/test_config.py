@@ -78,7 +78,7 @@ OTHER_VALUES = {
     "name": "tiny-ft", "vocab_size": 1024, "hidden_size": 128, "num_layers": 3,
     "num_heads": 8, "num_kv_heads": 4, "head_dim": 32, "intermediate_size": 256,
     "max_context": 2048, "rope_theta": 500000.0, "seed": 1, "kv_dtype": "bfloat16",
-    "weights_digest": "0123456789abcdef" * 2,
+    "weights_digest": "0123456789abcdef" * 2, "layer_pattern": "ra",
 }
 
 

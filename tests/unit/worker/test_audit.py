@@ -128,7 +128,7 @@ def test_handed_off_kv_of_another_namespace_is_refused_and_recomputed() -> None:
     a = Req(rid="x", input_ids=TOKENS, cache_salt="tenant-a", max_new_tokens=4)
     b = Req(rid="x", input_ids=TOKENS[:-1] + [TOKENS[0]], cache_salt="tenant-b",
             max_new_tokens=4)
-    info, pages = prefill.prefill(a)                 # a router bug sends a's KV to b
+    info, pages, _ = prefill.prefill(a)               # a router bug sends a's KV to b
     assert info.seed == namespace_seed(None, "tenant-a")
     out = decode.decode(b, info, pages)
     assert out.cross_namespace_pages == info.num_kv_pages

@@ -37,7 +37,7 @@ def prompt(seed: int, n: int) -> list[int]:
 
 
 def serve(p: PrefillWorker, d: DecodeWorker, req: Req) -> tuple[list[int], dict[str, int]]:
-    info, pages = p.prefill(req)
+    info, pages, _ = p.prefill(req)
     return d.decode(req, info, pages).output_ids, info.cached_tokens
 
 
@@ -77,9 +77,9 @@ def test_namespace_isolation_and_names(model: Model) -> None:
     assert p.page_names(a) == d.page_names(a) == page_hashes(tokens, PS, extra_key="lora")
     assert set(p.page_names(a)).isdisjoint(p.page_names(b))
     serve(p, d, a)
-    info_b, _ = p.prefill(b)
+    info_b, *_ = p.prefill(b)
     assert sum(info_b.cached_tokens.values()) == 0 and info_b.cross_namespace_pages == 0
-    info_a, _ = p.prefill(Req(rid="a2", input_ids=tokens, extra_key="lora", max_new_tokens=3))
+    info_a, *_ = p.prefill(Req(rid="a2", input_ids=tokens, extra_key="lora", max_new_tokens=3))
     assert info_a.cached_tokens["device"] == PS * 4 and info_a.cross_namespace_pages == 0
     p.close(), d.close()
 
@@ -88,7 +88,7 @@ def test_metrics_and_read_only_pages(model: Model) -> None:
     metrics = PDCacheMetrics("prometheus")
     p, d = PrefillWorker(CONFIG, metrics=metrics), DecodeWorker(CONFIG, metrics=metrics)
     req = Req(rid="m", input_ids=prompt(4, 10), cache_salt="t", max_new_tokens=3)
-    info, pages = p.prefill(req)
+    info, pages, _ = p.prefill(req)
     frozen = pages.clone()
     d.decode(req, info, pages, handoff_s=0.002)
     assert torch.equal(pages, frozen)  # decode worked on its own copy
@@ -103,7 +103,7 @@ def test_bad_requests_raise_value_error() -> None:
     with pytest.raises(ValueError, match=r"input_ids\[1\]"):
         p.prefill(Req(rid="x", input_ids=[1, VOCAB + 5]))
     req = Req(rid="ok", input_ids=prompt(5, 6), max_new_tokens=2)
-    info, pages = p.prefill(req)
+    info, pages, _ = p.prefill(req)
     with pytest.raises(ValueError, match="info.rid"):
         d.decode(Req(rid="other", input_ids=req.input_ids), info, pages)
     with pytest.raises(ValueError, match="config"):

@@ -1,0 +1,119 @@
+"""Eviction of the radix tree's pages: least recently used, leaves first.
+
+Device pages move to host (copied unless already there) or, when the host has no room,
+are dropped with their subtree; host pages are dropped. A dropped node gives back every
+slot it held, its recurrent state's included. Locked nodes are never touched.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+
+from pd_cache.core.stats import Stats
+from pd_cache.core.vocab import Event, Tier
+from pd_cache.kv.node import Node, iter_nodes
+from pd_cache.kv.pool import PagePool
+from pd_cache.kv.state import StatePool
+
+OWNER = "radix"
+
+
+class Evicting:
+    """What ``RadixCache`` evicts with: its pools, tree and counts."""
+
+    device: PagePool
+    host: PagePool
+    states: StatePool | None
+    stats: Stats
+    root: Node
+
+    def evict(self, tier: Tier, num_pages: int) -> int:
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 0:
+            raise ValueError(f"evict: num_pages: expected an int >= 0, got {num_pages!r}")
+        if Tier(tier) == Tier.DEVICE:
+            return self._evict(num_pages, self._device_evictable, self._demote)
+        if Tier(tier) == Tier.HOST:
+            return self._evict(num_pages, self._host_evictable, self._drop_host)
+        raise ValueError(f"evict: tier: expected 'device' or 'host', got {tier!r}")
+
+    def clear(self) -> None:
+        self.evict(Tier.DEVICE, self.device.capacity)
+        self.evict(Tier.HOST, self.host.capacity)
+
+    def _evict(self, n: int, evictable: Callable[[Node], bool],
+               release: Callable[[Node], None]) -> int:
+        heap = [_entry(x) for x in iter_nodes(self.root) if evictable(x)]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < n and heap:
+            node = heapq.heappop(heap)[-1]
+            if not node.attached or not evictable(node):
+                continue
+            parent = node.parent
+            release(node)
+            freed += 1
+            if parent is not None and not parent.is_root and evictable(parent):
+                heapq.heappush(heap, _entry(parent))
+        return freed
+
+    def _device_evictable(self, node: Node) -> bool:
+        return (node.device_slot is not None and node.lock_ref == 0
+                and all(c.device_slot is None for c in node.children.values()))
+
+    def _host_evictable(self, node: Node) -> bool:
+        return (node.host_slot is not None and node.lock_ref == 0
+                and (node.device_slot is not None or not node.children))
+
+    def _demote(self, node: Node) -> None:
+        """Device -> host: copy unless already there; drop the subtree if the host is full."""
+        if node.host_slot is None:
+            slots = self._reserve(self.host, 1)
+            if slots:
+                self.device.copy_to(self.host, [node.device_slot], slots)
+                node.host_slot = slots[0]
+                self.stats.count(Event.STORED, Tier.HOST.value)
+        self.device.free([node.device_slot], OWNER)
+        node.device_slot = None
+        self.stats.count(Event.EVICTED, Tier.DEVICE.value)
+        if node.host_slot is None:
+            self._drop_subtree(node)
+
+    def _drop_host(self, node: Node) -> None:
+        self.host.free([node.host_slot], OWNER)
+        node.host_slot = None
+        self.stats.count(Event.EVICTED, Tier.HOST.value)
+        if node.device_slot is None:
+            self._drop_subtree(node)
+
+    def _drop_subtree(self, node: Node) -> None:
+        """Detach ``node`` and free whatever its (unlocked, host-only) descendants hold."""
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            if n.device_slot is not None:
+                self.device.free([n.device_slot], OWNER)
+            if n.host_slot is not None:
+                self.host.free([n.host_slot], OWNER)
+                self.stats.count(Event.EVICTED, Tier.HOST.value)
+            if n.state_slot is not None:
+                self.states.free([n.state_slot], OWNER)
+            n.device_slot = n.host_slot = n.state_slot = None
+            n.children = {}
+            n.attached = False
+        if node.parent is not None:
+            del node.parent.children[node.name]
+
+    def _reserve(self, pool: PagePool, n: int) -> list[int]:
+        """Up to ``n`` slots of ``pool`` for the tree, evicting unlocked pages to make room."""
+        if pool.num_free < n:
+            tier = Tier.DEVICE if pool is self.device else Tier.HOST
+            self.evict(tier, n - pool.num_free)
+        return pool.alloc(min(n, pool.num_free), OWNER)
+
+
+
+def _entry(node: Node) -> tuple[int, int, int, Node]:
+    # NOTE: a path is touched at one clock tick; deeper nodes go first among equals.
+    return (node.last_access, -node.depth, node.seq, node)

@@ -1,0 +1,145 @@
+"""The decode half of ``LocalEngine``: a prompt's KV (and a hybrid model's recurrent
+state) handed over by prefill, stepped token by token, alone or batched with others::
+
+    start_decode   check the handoff, copy KV and state into private buffers, start offload
+    decode_step    one token for every sequence in one forward; offload filled pages
+    finish_decode  offload the last full pages; the tokens
+
+A hybrid sequence also records the state after each page it fills until an offload write
+has taken it (the write keeps those at its checkpoints, ``pd_cache.kv.state``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pd_cache.core.config import KVLayout, PDCacheConfig
+from pd_cache.core.request import Req
+from pd_cache.core.stats import Stats
+from pd_cache.core.vocab import DECODE
+from pd_cache.kv import PagePool
+from pd_cache.kv.state import checkpoints
+from pd_cache.tiering.offload import DecodeOffloadManager
+from pd_cache.worker.model import Model, kv_to_pages, pages_to_kv, sample
+from pd_cache.worker.model import check_state as check_model_state
+from pd_cache.worker.outputs import DecodeSeq, PromptState
+
+
+class Decoding:
+    """What ``LocalEngine`` decodes with (its model, pools and offload manager)."""
+
+    config: PDCacheConfig
+    model: Model
+    page_size: int
+    stats: Stats
+    device_pool: PagePool
+    state_every: int
+    offload: DecodeOffloadManager | None
+    layout: KVLayout
+
+    def _check_request(self, req: Req) -> None:
+        req.check_model(vocab_size=self.config.model.vocab_size,
+                        max_context=self.config.model.max_context)
+
+    def compute_prompt(self, req: Req) -> tuple[torch.Tensor, int, PromptState | None]:
+        """The prompt's KV pages, first token and (hybrid) state computed from scratch, no
+        cache touched (what decode falls back to when handed-off KV fails its audit)."""
+        self._check_request(req)
+        full = len(req.input_ids) // self.page_size
+        at = checkpoints(0, full - 1, self.state_every) if self.layout.has_state else []
+        out = self.model(req.input_ids, None, state_at=[(i + 1) * self.page_size for i in at])
+        state = None if out.state is None else PromptState(out.state, dict(zip(at, out.states)))
+        return (kv_to_pages(out.kv, self.page_size), sample(out.logits[-1], req.sampling, 0),
+                state)
+
+    def decode(self, req: Req, prompt_kv_pages: torch.Tensor, num_prompt_tokens: int,
+               first_token: int, state: PromptState | None = None) -> list[int]:
+        """Generate ``req.max_new_tokens`` tokens after the prompt; fills ``req.output_ids``.
+
+        ``prompt_kv_pages`` (and a hybrid prompt's ``state``) are treated as read-only
+        (they may be a shared-memory view). Raises ``ValueError`` if they have the wrong
+        shape, dtype or page count, if a hybrid model gets no state, or if
+        ``num_prompt_tokens`` or ``first_token`` do not fit the request and the model.
+        One request alone; ``start_decode`` / ``decode_step`` / ``finish_decode`` run
+        several in one batch.
+        """
+        seq = self.start_decode(req, prompt_kv_pages, num_prompt_tokens, first_token, state)
+        while not seq.done:
+            req.check_deadline("decode")
+            self.decode_step([seq])
+        return self.finish_decode(seq)
+
+    def start_decode(self, req: Req, prompt_kv_pages: torch.Tensor, num_prompt_tokens: int,
+                     first_token: int, state: PromptState | None = None) -> DecodeSeq:
+        """Check the handoff, copy the prompt's KV (and state) into private buffers, start
+        offload."""
+        self._check_request(req)
+        if num_prompt_tokens != len(req.input_ids):
+            raise ValueError(f"num_prompt_tokens: {num_prompt_tokens} != prompt length "
+                             f"{len(req.input_ids)} of request {req.rid!r}")
+        vocab = self.config.model.vocab_size
+        if isinstance(first_token, bool) or not isinstance(first_token, int) \
+                or not 0 <= first_token < vocab:
+            raise ValueError(f"first_token: expected a token id in [0, {vocab}), got "
+                             f"{first_token!r}")
+        kv = pages_to_kv(prompt_kv_pages, num_prompt_tokens, self.layout)
+        recurrent = self._recurrent(state)
+        offloading = None
+        if self.offload is not None:
+            offloading = self.offload.offload_kv_cache(req, prompt_kv_pages,
+                                                       state.pages if state else None)
+        n, steps = num_prompt_tokens, req.max_new_tokens
+        # NOTE: one buffer for the whole sequence; the last token's KV is never needed.
+        buf = kv.new_empty((*kv.shape[:2], n + max(steps, 1) - 1, *kv.shape[3:]))
+        buf[:, :, :n] = kv
+        tokens = [first_token] if steps else []
+        return DecodeSeq(req, buf, n, tokens, list(req.input_ids) + tokens, offloading,
+                         recurrent)
+
+    def _recurrent(self, state: PromptState | None) -> torch.Tensor | None:
+        """A private copy of a hybrid prompt's final state (``None`` for a plain model)."""
+        if not self.layout.has_state:
+            return None
+        if state is None:
+            raise ValueError("state: a hybrid model decodes from the prompt's KV and its "
+                             "recurrent state; the handoff carries no state")
+        check_model_state(state.final, self.config.model, field="state.final")
+        return state.final.to(self.device_pool.device, copy=True)
+
+    def decode_step(self, seqs: list[DecodeSeq]) -> None:
+        """One token for every unfinished sequence of ``seqs``, in one batched forward."""
+        live = [s for s in seqs if not s.done]
+        if not live:
+            return
+        states = [s.recurrent for s in live] if self.layout.has_state else None
+        logits = self.model.decode_step([s.tokens[-1] for s in live], [s.buf for s in live],
+                                        [s.pos for s in live], states)
+        self.stats.count(DECODE, "step")
+        self.stats.count(DECODE, "token", len(live))
+        for seq, row in zip(live, logits):
+            token = sample(row, seq.req.sampling, len(seq.tokens))
+            seq.tokens.append(token)
+            seq.seq.append(token)
+            seq.pos += 1
+            if seq.state is not None:
+                self._offload(seq)
+
+    def _offload(self, seq: DecodeSeq) -> None:
+        """Hand the offload manager the pages filled so far (a hybrid model's states at
+        page ends kept until a write has taken them)."""
+        if seq.recurrent is not None and seq.pos % self.page_size == 0:
+            seq.page_states[seq.pos // self.page_size - 1] = seq.recurrent.clone()
+        self.offload.advance(seq.state, seq.seq, seq.buf, seq.pos,
+                             page_states=seq.page_states)
+        if seq.page_states:
+            written = seq.state.num_pages
+            seq.page_states = {i: s for i, s in seq.page_states.items() if i >= written}
+
+    def finish_decode(self, seq: DecodeSeq) -> list[int]:
+        """Offload the last full pages; fills ``req.output_ids``; returns the tokens."""
+        if seq.state is not None and seq.req.max_new_tokens:
+            self.offload.advance(seq.state, seq.seq, seq.buf, seq.pos, final=True,
+                                 page_states=seq.page_states)
+        seq.req.output_ids = list(seq.tokens)
+        return list(seq.tokens)
+

@@ -1,0 +1,164 @@
+"""The layers of the reference model: RMSNorm, rotary positions, grouped-query attention,
+and the gated linear recurrence of hybrid models.
+
+Attention keeps K and V (rounded to the KV dtype as soon as they are produced), so a prefix
+is resumed from its KV pages. The recurrence keeps one fixed-size state per layer instead,
+so a prefix is resumed from the state after its last token::
+
+    a_t = sigmoid(W_a x_t)      u_t = W_u x_t
+    h_t = a_t * h_{t-1} + (1 - a_t) * u_t          (h_{-1} = 0, float32)
+    y_t = W_o (h_t * silu(W_g x_t))
+
+The state is updated by the same elementwise steps, one token after the other, in every
+path (a whole prompt, a prompt resumed from a cached state, one decode token), so the state
+after token t never depends on where a computation started.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pd_cache.core.config import ModelConfig
+from pd_cache.kv.pages import kv_torch_dtype
+
+
+def weight(g: torch.Generator, rows: int, cols: int) -> nn.Parameter:
+    w = torch.randn(rows, cols, generator=g) / math.sqrt(cols)
+    return nn.Parameter(w, requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding (rotate-half form), tables precomputed for the context."""
+
+    def __init__(self, head_dim: int, max_context: int, theta: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        angles = torch.outer(torch.arange(max_context, dtype=torch.float64), inv_freq)
+        angles = torch.cat([angles, angles], dim=-1)
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def forward(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """Rotate ``x`` ``[T, H, D]`` for positions ``start .. start + T - 1``."""
+        end = start + x.shape[0]
+        cos, sin = self.cos[start:end, None, :], self.sin[start:end, None, :]
+        return _rotate(x, cos, sin)
+
+    def at(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` ``[B, H, D]``, row ``b`` for position ``positions[b]``."""
+        return _rotate(x, self.cos[positions][:, None, :], self.sin[positions][:, None, :])
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, g: torch.Generator, rotary: Rotary) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (cfg.num_heads, cfg.num_kv_heads,
+                                                             cfg.head_dim)
+        self.kv_dtype = kv_torch_dtype(cfg.kv_dtype)
+        self.rotary = rotary
+        self.wq = weight(g, cfg.num_heads * cfg.head_dim, cfg.hidden_size)
+        self.wk = weight(g, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size)
+        self.wv = weight(g, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size)
+        self.wo = weight(g, cfg.hidden_size, cfg.num_heads * cfg.head_dim)
+
+    def forward(self, x: torch.Tensor, past: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x`` ``[T, hidden]`` after ``past`` ``[2, P, Hkv, D]`` -> output, new KV."""
+        t, start = x.shape[0], past.shape[1]
+        q = self.rotary(F.linear(x, self.wq).view(t, self.num_heads, self.head_dim), start)
+        k = self.rotary(F.linear(x, self.wk).view(t, self.num_kv_heads, self.head_dim), start)
+        v = F.linear(x, self.wv).view(t, self.num_kv_heads, self.head_dim)
+        # NOTE: round to the storage dtype before attending, so the cached and uncached
+        # paths attend over exactly the same values.
+        new = torch.stack([k, v]).to(self.kv_dtype)
+        kv = torch.cat([past.float(), new.float()], dim=1)
+        # NOTE: 4-D inputs [1, H, T, D]: on CPU only those take the fused kernel (3-D ones
+        # fall back to the math path, ~6x slower).
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], kv[0].transpose(0, 1)[None], kv[1].transpose(0, 1)[None],
+            attn_mask=_causal_mask(t, start), enable_gqa=True)
+        return F.linear(out[0].transpose(0, 1).reshape(t, -1), self.wo), new
+
+    def step(self, x: torch.Tensor, bufs: Sequence[torch.Tensor], layer: int,
+             positions: list[int], pos: torch.Tensor) -> torch.Tensor:
+        """One new token per sequence: ``x`` ``[B, hidden]``; row ``b`` is at position
+        ``positions[b]`` of ``bufs[b]`` ``[2, L, >P, Hkv, D]``, whose KV it writes there and
+        then attends over (keys ``0 .. positions[b]``)."""
+        b, g = x.shape[0], self.num_heads // self.num_kv_heads
+        q = self.rotary.at(F.linear(x, self.wq).view(b, self.num_heads, self.head_dim), pos)
+        k = self.rotary.at(F.linear(x, self.wk).view(b, self.num_kv_heads, self.head_dim), pos)
+        v = F.linear(x, self.wv).view(b, self.num_kv_heads, self.head_dim)
+        new = torch.stack([k, v], dim=1).to(self.kv_dtype)   # [B, 2, Hkv, D]
+        outs = []
+        for i, (buf, p) in enumerate(zip(bufs, positions, strict=True)):
+            buf[:, layer, p] = new[i]
+            kv = buf[:, layer, :p + 1].float().transpose(1, 2)   # [2, Hkv, P + 1, D]
+            # NOTE: one query token: the g query heads of a KV group are folded into the
+            # query rows of that group (``[1, Hkv, g, D]``), so no mask and no GQA expansion.
+            outs.append(F.scaled_dot_product_attention(
+                q[i].view(1, self.num_kv_heads, g, self.head_dim), kv[0:1], kv[1:2]))
+        out = torch.cat(outs).reshape(b, -1)
+        return F.linear(out, self.wo)
+
+
+def _causal_mask(t: int, start: int) -> torch.Tensor | None:
+    """Query i (position ``start + i``) sees keys ``0 .. start + i``; ``None`` = sees all."""
+    if t == 1:
+        return None
+    keys = torch.arange(start + t)
+    return keys[None, :] <= (torch.arange(t) + start)[:, None]
+
+
+class Recurrence(nn.Module):
+    """The gated linear recurrence of the module docstring; its state is ``[hidden]``."""
+
+    def __init__(self, cfg: ModelConfig, g: torch.Generator) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.w_a, self.w_u = weight(g, h, h), weight(g, h, h)
+        self.w_g, self.w_o = weight(g, h, h), weight(g, h, h)
+
+    def forward(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x`` ``[T, hidden]`` after ``state`` ``[hidden]`` -> output, and the state after
+        each token ``[T, hidden]`` (the last row is the new state)."""
+        a, b = self._gates(x)
+        states = torch.empty_like(x)
+        h = state
+        for t in range(x.shape[0]):
+            h = a[t] * h + b[t]
+            states[t] = h
+        return self._out(x, states), states
+
+    def step(self, x: torch.Tensor, states: Sequence[torch.Tensor]) -> torch.Tensor:
+        """One new token per sequence: ``x`` ``[B, hidden]``; ``states[b]`` ``[hidden]`` is
+        sequence ``b``'s state, advanced in place."""
+        a, b = self._gates(x)
+        for i, h in enumerate(states):
+            h.copy_(a[i] * h + b[i])
+        return self._out(x, torch.stack(list(states)))
+
+    def _gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a = torch.sigmoid(F.linear(x, self.w_a))
+        return a, (1 - a) * F.linear(x, self.w_u)
+
+    def _out(self, x: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+        return F.linear(states * F.silu(F.linear(x, self.w_g)), self.w_o)

@@ -1,0 +1,137 @@
+"""A hybrid model (tiny-hybrid) on the PD cluster and over real StorageTier actors: KV and
+the recurrent state move through every tier; the output equals the no-cache model's."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from pd_cache.app.workload import WorkloadConfig, make_conversations
+from pd_cache.cluster.pd_cluster import PDCluster
+from pd_cache.core.cluster_config import ClusterConfig
+from pd_cache.core.request import Req
+from pd_cache.core.vocab import STATE
+from pd_cache.storage.client import StorageClient
+from pd_cache.storage.tier import storage_actors
+from pd_cache.worker.engine import LocalEngine
+from pd_cache.worker.model import Model, reference_generate
+from tests.unit.storage.test_storage_v2 import Recorder
+from tests.unit.tiering.test_hybrid_calls import NAMES, WRITE_RUNS, P, check_calls
+from tests.unit.tiering.test_hybrid_calls import config as calls_config
+
+ray = pytest.importorskip("ray")
+
+PS = 4
+CONFIG = ClusterConfig(model="tiny-hybrid", page_size=PS, device_pages=64, host_pages=128,
+                       storage_timeout_s=5.0)
+VOCAB = CONFIG.pd_config.model.vocab_size
+_ids = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_cluster: Any) -> Iterator[PDCluster]:
+    c = PDCluster.start(CONFIG)
+    yield c
+    c.shutdown(check=True)  # raises if any worker leaked a lock, a page or a state slot
+
+
+@pytest.fixture(scope="module")
+def model() -> Model:
+    return Model(CONFIG.pd_config.model)
+
+
+def req(tokens: list[int], ns: tuple[str | None, str | None] = (None, None),
+        max_new: int = 5) -> Req:
+    return Req(rid=f"h{next(_ids)}", input_ids=tokens, extra_key=ns[0], cache_salt=ns[1],
+               max_new_tokens=max_new)
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(VOCAB) for _ in range(n)]
+
+
+def expected(model: Model, r: Req) -> list[int]:
+    return reference_generate(model, Req(rid="ref", input_ids=r.input_ids,
+                                         max_new_tokens=r.max_new_tokens)).output_ids
+
+
+def assert_idle(cluster: PDCluster) -> None:
+    for state in cluster.states():
+        assert state.locks == 0, state
+        assert "state" in state.pool_usage, state      # the hybrid state pool is reported
+        owners = {o for pool in state.pool_usage.values() for o in pool}
+        assert owners <= {"radix"}, state
+
+
+def test_multi_turn_multi_tenant_output_equals_reference(cluster: PDCluster,
+                                                          model: Model) -> None:
+    wl = WorkloadConfig(tenants=2, clients_per_tenant=2, system_tokens=22, rounds=3,
+                        user_tokens=7, output_tokens=6, vocab_size=VOCAB, seed=5)
+    convs = make_conversations(wl)
+    answers: dict[str, list[list[int]]] = {c.name: [] for c in convs}
+    done = []
+    for r in range(wl.rounds):
+        reqs = [req(c.prompt(r, answers[c.name]), (c.extra_key, c.cache_salt),
+                    wl.output_tokens) for c in convs]
+        for c, rq, out in zip(convs, reqs, cluster.generate_many(reqs)):
+            assert out.output_ids == expected(model, rq), (c.name, r)
+            answers[c.name].append(out.output_ids)
+            done.append(out)
+    assert sum(sum(c.cached_tokens.values()) for c in done) > 0
+    assert all(c.cross_namespace_tokens == 0 for c in done)
+    assert_idle(cluster)
+
+
+def test_turn_two_on_the_other_worker_resumes_from_l3(cluster: PDCluster,
+                                                      model: Model) -> None:
+    ns = ("lora-h", "tenant-h")
+    turn1 = req(tokens(1, 21), ns, max_new=10)
+    out1 = cluster.generate(turn1, prefill_worker=0)
+    cluster.flush()
+    writes = cluster.engine_stats()
+    assert sum(s.get(f"backup/{STATE}", 0) for s in writes.values()) >= 1
+    assert sum(s.get(f"offload/{STATE}", 0) for s in writes.values()) >= 1
+    turn2 = req(turn1.input_ids + out1.output_ids + tokens(2, 6), ns, max_new=4)
+    out2 = cluster.generate(turn2, prefill_worker=1)
+    assert out2.output_ids == expected(model, turn2)
+    # the prompt's pages (write-through) and the answer's (offload, whose last write ends
+    # with a state): every page whose tokens all have KV after turn 1
+    assert out2.cached_tokens["storage"] == PS * ((21 + 10 - 1) // PS)
+    assert out2.cached_tokens["device"] == out2.cached_tokens["host"] == 0
+    other = cluster.generate(req(turn2.input_ids, (None, "tenant-other"), 4),
+                             prefill_worker=1)
+    assert other.output_ids == expected(model, turn2)
+    assert sum(other.cached_tokens.values()) == 0          # namespaces stay apart
+    assert_idle(cluster)
+
+
+def test_the_tier_actors_receive_kv_and_trailing_state_with_the_operations_prefix(
+        ray_cluster: Any, model: Model) -> None:
+    cfg = calls_config(prefix_keys=True)
+    cfg = dataclasses.replace(cfg, storage=dataclasses.replace(cfg.storage, num_shards=2))
+    handles = storage_actors(cfg)
+    try:
+        store = Recorder(StorageClient(handles, timeout_s=10.0))
+        writer = LocalEngine(cfg, storage=store, storage_timeout_s=10.0)
+        r = Req(rid="w", input_ids=P, cache_salt="t", max_new_tokens=1)
+        writer.prefill(r)
+        assert writer.flush(30)
+        check_calls(store.calls, "set", WRITE_RUNS, "w", True)
+        writer.close()
+        reader = LocalEngine(cfg, storage=store, storage_timeout_s=10.0)
+        again = Req(rid="r", input_ids=P, cache_salt="t", max_new_tokens=6)
+        out = reader.generate(again)
+        assert out.output_ids == expected(model, again)
+        assert out.cached_tokens["storage"] == len(NAMES) * PS
+        check_calls(store.calls, "get", WRITE_RUNS, "r", True)
+        assert reader.flush(30)
+        reader.close()
+    finally:
+        for h in handles:
+            ray.kill(h)
