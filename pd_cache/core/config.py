@@ -23,6 +23,7 @@ from pd_cache.core.fields import (
     read_text,
 )
 from pd_cache.core.hashing import DIGEST_SIZES
+from pd_cache.core.pretrained import ARCHITECTURES, model_fields
 
 KV_DTYPES = ("float32", "bfloat16", "float16")
 WRITE_POLICIES = ("write_through", "write_back")
@@ -30,8 +31,9 @@ PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 ENV_PREFIX = "PD_CACHE_"
 # ModelConfig fields that change neither the weights nor how K and V are computed, so pages
 # stay shareable across them: the rotary tables span max_context positions, but the angles of
-# position p do not depend on how many positions the table holds.
-KV_NEUTRAL_FIELDS = frozenset({"max_context"})
+# position p do not depend on how many positions the table holds. A checkpoint's directory
+# is where its files are, not what they are (its config fields and weights digest say that).
+KV_NEUTRAL_FIELDS = frozenset({"max_context", "checkpoint"})
 
 # The L3 backend registry: name -> "module:Class" (a class with ``from_config``), imported
 # lazily by ``pd_cache.storage.backend_class``. Adding a backend is one module and one entry
@@ -49,6 +51,10 @@ class ModelConfig:
     ``weights_digest`` names the exact weights: the xxh3_128 hex digest of their bytes
     (``pd_cache.worker.digest``). Empty means "the weights this config seeds", which
     ``kv_digest`` identifies; a cluster pins the digest of the built weights at start.
+
+    ``checkpoint`` is a local Hugging Face checkpoint directory (``from_pretrained``) whose
+    ``architecture`` (``pd_cache.core.pretrained.ARCHITECTURES``), norm epsilon, q/k/v bias
+    and tied embeddings the last four fields carry; empty for the built-in model.
     """
 
     name: str = "tiny"
@@ -64,6 +70,11 @@ class ModelConfig:
     seed: int = 0
     kv_dtype: str = "float32"
     weights_digest: str = ""
+    checkpoint: str = ""
+    architecture: str = ""
+    rms_norm_eps: float = 1e-6
+    attention_bias: bool = False
+    tie_embeddings: bool = False
 
     def __post_init__(self) -> None:
         check(isinstance(self.name, str) and bool(self.name), "model.name", self.name,
@@ -78,6 +89,12 @@ class ModelConfig:
         one_of("model.kv_dtype", self.kv_dtype, KV_DTYPES)
         check(self.weights_digest == "" or _is_digest(self.weights_digest),
               "model.weights_digest", self.weights_digest, "'' or 32 lowercase hex digits")
+        check(self.architecture in (ARCHITECTURES if self.checkpoint else ("",)),
+              "model.architecture", self.architecture,
+              f"one of {list(ARCHITECTURES)} with a checkpoint, else ''")
+        check_positive("model.rms_norm_eps", self.rms_norm_eps)
+        check(not self.checkpoint or bool(self.weights_digest), "model.weights_digest",
+              self.weights_digest, "the checkpoint's digest (ModelConfig.from_pretrained)")
 
     @property
     def kv_digest(self) -> str:
@@ -95,6 +112,14 @@ class ModelConfig:
             raise ValueError(f"model.name: unknown preset {name!r}; expected one of "
                              f"{sorted(MODEL_PRESETS)}")
         return dataclasses.replace(MODEL_PRESETS[name], **overrides)
+
+    @classmethod
+    def from_pretrained(cls, path: str, **overrides: Any) -> ModelConfig:
+        """The config of the local Hugging Face checkpoint at ``path`` (``config.json`` and
+        ``*.safetensors``), its weights digest pinned; ``ValueError`` naming a missing file
+        or an unsupported architecture. ``overrides`` (such as ``kv_dtype``) replace fields.
+        """
+        return cls(**{**model_fields(path), **overrides})
 
 
 MODEL_PRESETS = {
