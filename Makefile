@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml setup.py pd_cache/core/_chain.c | $(PY)
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml setup.py pd_cache/core/_chain.c | $(PY)
-	$(PIP) install --quiet -e '.[test]'
+	$(PIP) install --quiet -e '.[test,hf]'
 	touch $@ $(VENV)/.installed
 
 # NOTE: no RAY_AUTH_MODE here: each Ray cluster that pd-cache or the tests start makes a

@@ -68,8 +68,8 @@ def weight_files(path: str) -> list[str]:
 def model_fields(path: str) -> dict[str, Any]:
     """``ModelConfig`` fields of the checkpoint at ``path``, weights digest included."""
     check_files(path, tokenizer=False)
-    where = os.path.join(path, CONFIG_FILE)
-    raw = _read_json(where)
+    file = os.path.join(path, CONFIG_FILE)
+    raw, where = _read_json(file), f"model: {file}"
     arch = _architecture(raw, where)
     get = functools.partial(_get, raw, where)
     heads = get("num_attention_heads")

@@ -43,12 +43,14 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
 def seeded_weights_digest(cfg: ModelConfig) -> str:
     """``weights_digest`` of the weights ``cfg`` seeds (or its checkpoint holds); built and
     digested once per config per process (``cfg.weights_digest`` itself is ignored)."""
+    if cfg.checkpoint:
+        return checkpoint_digest(cfg.checkpoint)   # read from the files, once per process
     return _seeded(dataclasses.replace(cfg, weights_digest=""))
 
 
 @functools.cache
 def _seeded(cfg: ModelConfig) -> str:
-    return checkpoint_digest(cfg.checkpoint) if cfg.checkpoint else weights_digest(Model(cfg))
+    return weights_digest(Model(cfg))
 
 
 def check_weights(cfg: ModelConfig) -> None:
