@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from pd_cache.app import names, run
+from pd_cache.app import names, run, tiny_checkpoint
 from pd_cache.app.bench import cli as bench_cli
 from pd_cache.app.session import ray_session
 
@@ -33,8 +33,12 @@ def main(argv: list[str] | None = None) -> int:
         "bench", help="an open-loop load generator: local cluster or any OpenAI-compatible "
                       "server")
     bench_cli.add_arguments(bench_parser)
+    make = sub.add_parser("make-checkpoint", help="write a tiny random Llama or Qwen2 "
+                                                  "checkpoint to try --model DIR (hf extra)")
+    tiny_checkpoint.add_arguments(make)
     args = parser.parse_args(argv)
-    commands = {"run": run.run, "names": names.run, "serve": run_serve, "bench": bench_cli.run}
+    commands = {"run": run.run, "names": names.run, "serve": run_serve, "bench": bench_cli.run,
+                "make-checkpoint": tiny_checkpoint.run}
     try:
         return commands[args.command](args)
     except ValueError as exc:

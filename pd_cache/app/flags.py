@@ -4,7 +4,8 @@ come from its fields, so a knob is written once (``ClusterConfig``) and offered 
     num_prefill: int = 2        ->  --num-prefill N      (int, default 2)
     cache: bool = True          ->  --cache / --no-cache
     disk_path: str | None       ->  --disk-path TEXT     (default: none)
-    model (choices=...)         ->  --model {small,tiny}
+    storage_backend (choices)   ->  --storage-backend {disk,memory}
+    model (check=...)           ->  --model TEXT         (the field's check refuses bad text)
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type,
         choices = f.metadata.get("choices")
         target.add_argument(flag, dest=f.name, default=f.default,
                             metavar=None if choices else _metavar(kind),
-                            type=_reader(flag, kind), choices=choices,
+                            type=_reader(flag, kind, f.metadata.get("check")),
+                            choices=choices,
                             help=f"{text} (default: %(default)s)")
 
 
@@ -43,12 +45,17 @@ def config_from_args(cls: type[T], args: argparse.Namespace) -> T:
     return cls(**values)
 
 
-def _reader(flag: str, kind: str) -> Any:
+def _reader(flag: str, kind: str, check: Any = None) -> Any:
+    """Reads a flag's text as ``kind``; ``check(flag, value)``, a field's own check
+    (``metadata={"check": ...}``), may refuse the value with a ``ValueError``."""
     base = kind.replace(" | None", "")
 
     def read(text: str) -> Any:
         try:
-            return read_text(flag, text, base)
+            value = read_text(flag, text, base)
+            if check is not None:
+                check(flag, value)
+            return value
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
     return read

@@ -21,8 +21,7 @@ from pd_cache.app.flags import add_config_arguments, config_from_args
 from pd_cache.app.session import ray_session
 from pd_cache.app.workload import Conversation, WorkloadConfig, make_conversations
 from pd_cache.cluster.pd_cluster import PDCluster, totals
-from pd_cache.core.cluster_config import ClusterConfig
-from pd_cache.core.config import MODEL_PRESETS
+from pd_cache.core.cluster_config import ClusterConfig, model_config
 from pd_cache.core.request import Req
 from pd_cache.core.wire import Completion
 
@@ -48,7 +47,7 @@ def workload_config(args: argparse.Namespace) -> WorkloadConfig:
     return WorkloadConfig(tenants=args.tenants, clients_per_tenant=args.clients,
                           system_tokens=args.system_tokens, rounds=args.rounds,
                           user_tokens=args.user_tokens, output_tokens=args.output_tokens,
-                          vocab_size=MODEL_PRESETS[args.model].vocab_size, seed=args.seed)
+                          vocab_size=model_config(args.model).vocab_size, seed=args.seed)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -41,8 +41,8 @@ from pd_cache.cluster.http import HTTPError, check_rid, decode_json, read_body, 
 from pd_cache.cluster.pd_cluster import PDCluster
 from pd_cache.cluster.router import NoLiveWorker
 from pd_cache.cluster.tenants import KEYS_ENV, Tenant, Tenants, Unauthorized
+from pd_cache.core.hf_tokenizer import tokenizer_for
 from pd_cache.core.request import DeadlineExceeded, Req, SamplingParams
-from pd_cache.core.tokenizer import ByteTokenizer, StreamDecoder
 from pd_cache.core.wire import Completion
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,8 @@ class PDCacheIngress:
         # NOTE: a named cluster's actors are detached: a restarted replica attaches to them.
         self.cluster = PDCluster.start(args.cluster, name=args.ingress.cluster_name)
         self.model = args.cluster.model
-        self.tokenizer = ByteTokenizer(self.cluster.pd.model.vocab_size)
+        # NOTE: a checkpoint's own tokenizer and chat template; the byte one for presets.
+        self.tokenizer = tokenizer_for(self.cluster.pd.model)
         self._rids = itertools.count()
         self._pending = 0
 
@@ -238,7 +239,7 @@ class PDCacheIngress:
 
     async def _events(self, req: Req, rid: str, chat: bool, admin: bool, with_usage: bool,
                       place: _Place) -> AsyncIterator[str]:
-        chunks, text = openai.Chunks(rid, self.model, chat), StreamDecoder()
+        chunks, text = openai.Chunks(rid, self.model, chat), self.tokenizer.stream()
         with place:
             try:
                 async for item in self.cluster.stream(req):

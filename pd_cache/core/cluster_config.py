@@ -7,6 +7,7 @@ other place lists them. ``pd_config`` derives the ``PDCacheConfig`` every worker
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,27 @@ from pd_cache.core.config import (
     StorageConfig,
 )
 from pd_cache.core.fields import check_bool, check_int_at_least, check_non_negative, check_positive
+from pd_cache.core.pretrained import check_files
+
+
+def model_config(model: str) -> ModelConfig:
+    """A preset by name, else the checkpoint in the directory ``model`` (which must hold
+    ``config.json``, ``*.safetensors``, ``tokenizer.json`` and ``tokenizer_config.json``)."""
+    if model in MODEL_PRESETS:
+        return ModelConfig.preset(model)
+    if not isinstance(model, str) or not os.path.isdir(model):
+        raise ValueError(f"model: {model!r} is neither a preset {sorted(MODEL_PRESETS)} nor a "
+                         f"checkpoint directory")
+    check_files(model)
+    return ModelConfig.from_pretrained(model)
+
+
+def check_model(key: str, model: str) -> None:
+    """``ValueError`` naming ``key`` unless ``model`` is a preset or a checkpoint directory."""
+    try:
+        model_config(model)
+    except ValueError as exc:
+        raise ValueError(f"{key}: {exc}") from None
 
 
 def _knob(default: Any, text: str, **meta: Any) -> Any:
@@ -43,7 +65,8 @@ class ClusterConfig:
     num_prefill: int = _knob(2, "prefill workers")
     num_decode: int = _knob(2, "decode workers")
     num_storage: int = _knob(2, "storage actors (L3 shards); 0 runs without L3")
-    model: str = _knob("small", "model preset", choices=tuple(sorted(MODEL_PRESETS)))
+    model: str = _knob("small", f"model preset ({', '.join(sorted(MODEL_PRESETS))}) or a "
+                                "local Hugging Face checkpoint directory", check=check_model)
     page_size: int = _knob(16, "tokens per KV page")
     device_pages: int = _knob(256, "L1 (device) pool pages per worker")
     host_pages: int = _knob(1024, "L2 (host) pool pages per worker")
@@ -89,7 +112,7 @@ class ClusterConfig:
         """The worker config every prefill, decode and storage actor shares."""
         on = self.cache
         return PDCacheConfig(
-            model=ModelConfig.preset(self.model),
+            model=model_config(self.model),
             cache=CacheConfig(page_size=self.page_size,
                               device_pages=self.device_pages if on else 0,
                               host_pages=self.host_pages if on else 0,

@@ -24,6 +24,7 @@ from pd_cache.core.fields import (
     read_text,
 )
 from pd_cache.core.hashing import DIGEST_SIZES
+from pd_cache.core.pretrained import ARCHITECTURES, model_fields
 
 KV_DTYPES = ("float32", "bfloat16", "float16")
 WRITE_POLICIES = ("write_through", "write_back")
@@ -31,11 +32,14 @@ PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 ENV_PREFIX = "PD_CACHE_"
 # ModelConfig fields that change neither the weights nor how K and V are computed, so pages
 # stay shareable across them: the rotary tables span max_context positions, but the angles of
-# position p do not depend on how many positions the table holds.
-KV_NEUTRAL_FIELDS = frozenset({"max_context"})
-# Fields of hybrid models that join a digest only when set: a plain model's layout (and so
-# its L3 pages) keeps the fingerprint it had before hybrid models existed.
-HYBRID_FIELDS = {"layer_pattern": "", "state_layers": 0, "state_dim": 0}
+# position p do not depend on how many positions the table holds. A checkpoint's directory
+# is where its files are, not what they are (its config fields and weights digest say that).
+KV_NEUTRAL_FIELDS = frozenset({"max_context", "checkpoint"})
+# Fields that join a digest only when they differ from these defaults: a model without them
+# (a plain preset) keeps the fingerprint, and so the L3 pages, it had before they existed.
+# Hybrid models (layer_pattern, the state's shape) and checkpoints (their architecture).
+LATE_FIELDS = {"layer_pattern": "", "state_layers": 0, "state_dim": 0, "architecture": "",
+               "rms_norm_eps": 1e-6, "attention_bias": False, "tie_embeddings": False}
 ATTENTION, RECURRENT = "a", "r"   # the letters of ModelConfig.layer_pattern
 
 # The L3 backend registry: name -> "module:Class" (a class with ``from_config``), imported
@@ -59,6 +63,10 @@ class ModelConfig:
     K and V go into KV pages) or ``r`` (a gated linear recurrence whose fixed-size state,
     ``hidden_size`` floats, is what a cached prefix must also resume from). Empty: every
     layer attends (the plain presets).
+
+    ``checkpoint`` is a local Hugging Face checkpoint directory (``from_pretrained``) whose
+    ``architecture`` (``pd_cache.core.pretrained.ARCHITECTURES``), norm epsilon, q/k/v bias
+    and tied embeddings the last four fields carry; empty for the built-in model.
     """
 
     name: str = "tiny"
@@ -75,6 +83,11 @@ class ModelConfig:
     kv_dtype: str = "float32"
     weights_digest: str = ""
     layer_pattern: str = ""
+    checkpoint: str = ""
+    architecture: str = ""
+    rms_norm_eps: float = 1e-6
+    attention_bias: bool = False
+    tie_embeddings: bool = False
 
     def __post_init__(self) -> None:
         check(isinstance(self.name, str) and bool(self.name), "model.name", self.name,
@@ -95,6 +108,14 @@ class ModelConfig:
             and ATTENTION in pattern)), "model.layer_pattern", pattern,
             f"'' or {self.num_layers} letters of 'a' (attention, at least one) and 'r' "
             f"(recurrent)")
+        check(self.architecture in (ARCHITECTURES if self.checkpoint else ("",)),
+              "model.architecture", self.architecture,
+              f"one of {list(ARCHITECTURES)} with a checkpoint, else ''")
+        check_positive("model.rms_norm_eps", self.rms_norm_eps)
+        check(not self.checkpoint or bool(self.weights_digest), "model.weights_digest",
+              self.weights_digest, "the checkpoint's digest (ModelConfig.from_pretrained)")
+        check(not (self.checkpoint and pattern), "model.layer_pattern", pattern,
+              "'' for a checkpoint (hybrid checkpoints are not supported)")
 
     @property
     def kinds(self) -> str:
@@ -126,6 +147,14 @@ class ModelConfig:
             raise ValueError(f"model.name: unknown preset {name!r}; expected one of "
                              f"{sorted(MODEL_PRESETS)}")
         return dataclasses.replace(MODEL_PRESETS[name], **overrides)
+
+    @classmethod
+    def from_pretrained(cls, path: str, **overrides: Any) -> ModelConfig:
+        """The config of the local Hugging Face checkpoint at ``path`` (``config.json`` and
+        ``*.safetensors``), its weights digest pinned; ``ValueError`` naming a missing file
+        or an unsupported architecture. ``overrides`` (such as ``kv_dtype``) replace fields.
+        """
+        return cls(**{**model_fields(path), **overrides})
 
 
 MODEL_PRESETS = {
@@ -319,9 +348,9 @@ def _digest(tag: bytes, values: dict[str, Any]) -> str:
 
 
 def _set_fields(obj: Any, skip: frozenset[str]) -> dict[str, Any]:
-    """``obj``'s fields but ``skip``, and the hybrid ones only when set (``HYBRID_FIELDS``)."""
+    """``obj``'s fields but ``skip``, and the late ones only when set (``LATE_FIELDS``)."""
     return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)
-            if f.name not in skip and getattr(obj, f.name) != HYBRID_FIELDS.get(f.name, ...)}
+            if f.name not in skip and getattr(obj, f.name) != LATE_FIELDS.get(f.name, ...)}
 
 
 def _is_digest(text: Any) -> bool:

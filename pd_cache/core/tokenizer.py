@@ -58,6 +58,10 @@ class ByteTokenizer:
                     self.special["<|end|>"]]
         return ids + [self.special["<|assistant|>"]]
 
+    def stream(self) -> StreamDecoder:
+        """A decoder for one streamed answer (``feed`` each token, then ``flush``)."""
+        return StreamDecoder()
+
 
 class StreamDecoder:
     """Token ids to text, one at a time: bytes are held until they complete a character;

@@ -6,6 +6,10 @@ xxh3_128 over every tensor of the state dict, in name order, each framed by its 
 and shape. It is pinned once in the config (``with_weights_digest``, where a cluster
 starts); every storage shard then reads it from that config, and every worker checks that
 the weights it builds are those (``model_layout``) before it names a page with it.
+
+A Hugging Face checkpoint's digest follows the same rule over the tensors of its files
+(``pd_cache.core.pretrained.checkpoint_digest``, read without loading them):
+``ModelConfig.from_pretrained`` pins it, and a worker whose files differ refuses to start.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import xxhash
 from torch import nn
 
 from pd_cache.core.config import KVLayout, ModelConfig, PDCacheConfig
+from pd_cache.core.pretrained import checkpoint_digest
 from pd_cache.worker.model import Model
 
 
@@ -36,8 +41,10 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
 
 
 def seeded_weights_digest(cfg: ModelConfig) -> str:
-    """``weights_digest`` of the weights ``cfg`` seeds; built and digested once per config
-    per process (``cfg.weights_digest`` itself is ignored)."""
+    """``weights_digest`` of the weights ``cfg`` seeds (or its checkpoint holds); built and
+    digested once per config per process (``cfg.weights_digest`` itself is ignored)."""
+    if cfg.checkpoint:
+        return checkpoint_digest(cfg.checkpoint)   # read from the files, once per process
     return _seeded(dataclasses.replace(cfg, weights_digest=""))
 
 

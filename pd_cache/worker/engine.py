@@ -43,7 +43,8 @@ from pd_cache.tiering.controller import CacheController
 from pd_cache.tiering.offload import DecodeOffloadManager
 from pd_cache.worker.decoding import Decoding
 from pd_cache.worker.digest import model_layout
-from pd_cache.worker.model import Model, check_pages, kv_to_pages, pages_to_kv, sample
+from pd_cache.worker.hf_model import build_model
+from pd_cache.worker.model import check_pages, kv_to_pages, pages_to_kv, sample
 from pd_cache.worker.outputs import PrefillOutput, PromptState, Result, StoredPages
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ class LocalEngine(Decoding):
         # NOTE: config.layout, once pinned weights (if any) are checked to be this model's.
         self.layout = model_layout(self.config)
         self.page_size = self.config.cache.page_size
-        self.model = Model(self.config.model, device)
+        self.model = build_model(self.config.model, device)
         self.stats = Stats()
         self.device_pool: PagePool = device_pool(self.layout, int(self.config.cache.device_pages),
                                                  device)

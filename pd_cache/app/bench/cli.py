@@ -29,7 +29,6 @@ from pd_cache.app.bench.workloads import (
 )
 from pd_cache.app.flags import add_config_arguments, config_from_args
 from pd_cache.core.cluster_config import ClusterConfig
-from pd_cache.core.config import MODEL_PRESETS
 
 WORKLOADS = ("multi-turn", "shared-prefix", "random", "trace")
 HTTP_VOCAB = 256   # token ids every tokenizer has; pass --vocab-size for more
@@ -168,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     local = args.target == "local"
     cfg = config_from_args(ClusterConfig, args) if local else None
-    vocab = args.vocab_size or (MODEL_PRESETS[args.model].vocab_size if local else HTTP_VOCAB)
+    vocab = args.vocab_size or (cfg.pd_config.model.vocab_size if local else HTTP_VOCAB)
     workload = build_workload(args, vocab, args.seed)
     warm = build_workload(args, vocab, args.seed + 1)
     warmup = dataclasses.replace(warm, requests=warm.requests[:args.warmup_requests])

@@ -80,18 +80,37 @@ OTHER_VALUES = {
     "max_context": 2048, "rope_theta": 500000.0, "seed": 1, "kv_dtype": "bfloat16",
     "weights_digest": "0123456789abcdef" * 2, "layer_pattern": "ra",
 }
+# The fields only a checkpoint's config sets, changed from a checkpoint's base config.
+CHECKPOINT_BASE = {"checkpoint": "/ckpt/a", "architecture": "LlamaForCausalLM",
+                   "weights_digest": "ab" * 16}
+CHECKPOINT_VALUES = {"checkpoint": "/ckpt/b", "architecture": "Qwen2ForCausalLM",
+                     "rms_norm_eps": 1e-5, "attention_bias": True, "tie_embeddings": True}
 
 
 def test_every_model_field_that_changes_kv_changes_the_fingerprint() -> None:
     from pd_cache.core.config import KV_NEUTRAL_FIELDS
 
-    base = PDCacheConfig()
-    assert set(OTHER_VALUES) == {f.name for f in dataclasses.fields(ModelConfig)}
-    for name, value in OTHER_VALUES.items():
-        other = dataclasses.replace(base, model=dataclasses.replace(base.model, **{name: value}))
-        same = other.layout.fingerprint == base.layout.fingerprint
-        assert same == (name in KV_NEUTRAL_FIELDS), name
-    assert KV_NEUTRAL_FIELDS == {"max_context"}
+    assert set(OTHER_VALUES) | set(CHECKPOINT_VALUES) == {f.name for f in
+                                                         dataclasses.fields(ModelConfig)}
+    checkpoint = PDCacheConfig(model=ModelConfig(**CHECKPOINT_BASE))
+    for base, values in ((PDCacheConfig(), OTHER_VALUES), (checkpoint, CHECKPOINT_VALUES)):
+        for name, value in values.items():
+            other = dataclasses.replace(base, model=dataclasses.replace(base.model,
+                                                                        **{name: value}))
+            same = other.layout.fingerprint == base.layout.fingerprint
+            assert same == (name in KV_NEUTRAL_FIELDS), name
+    assert KV_NEUTRAL_FIELDS == {"max_context", "checkpoint"}
+
+
+def test_checkpoint_fields_are_checked() -> None:
+    with pytest.raises(ValueError, match="model.architecture"):
+        ModelConfig(architecture="LlamaForCausalLM")      # no checkpoint
+    with pytest.raises(ValueError, match="model.architecture"):
+        ModelConfig(**{**CHECKPOINT_BASE, "architecture": "GPT2LMHeadModel"})
+    with pytest.raises(ValueError, match="model.weights_digest"):
+        ModelConfig(**{**CHECKPOINT_BASE, "weights_digest": ""})
+    with pytest.raises(ValueError, match="model.rms_norm_eps"):
+        ModelConfig(**{**CHECKPOINT_BASE, "rms_norm_eps": 0.0})
 
 
 def test_page_size_and_tp_rank_layout_change_the_fingerprint() -> None:

@@ -1,0 +1,141 @@
+"""Hugging Face checkpoints (a tiny Llama, a tiny Qwen2) through a PDCluster and the OpenAI
+front: every path (radix hit, L3 prefetch on a fresh worker, handoff, decode offload,
+second turn) decodes what ``transformers`` decodes with no cache, token by token; tenants
+share no pages; two checkpoints of one shape share no L3 pages."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from pd_cache.cluster.pd_cluster import PDCluster
+from pd_cache.core.cluster_config import ClusterConfig
+from pd_cache.core.hf_tokenizer import HFTokenizer
+from pd_cache.core.request import Req
+from tests.hf_checkpoints import assert_matches, hf_generate
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("transformers")
+
+PS = 4
+_ids = itertools.count()
+
+
+def small(path: str, **fields: Any) -> ClusterConfig:
+    return ClusterConfig(**{"model": path, "page_size": PS, "num_prefill": 2, "num_decode": 1,
+                            "num_storage": 1, "device_pages": 64, "host_pages": 128,
+                            "storage_timeout_s": 10.0, **fields})
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def arch_cluster(request: Any, ray_cluster: Any, hf_checkpoints) -> Iterator[tuple[str, PDCluster]]:
+    path = hf_checkpoints[request.param]
+    cluster = PDCluster.start(small(path))
+    yield path, cluster
+    cluster.shutdown(check=True)   # raises if any worker leaked a lock or a slot
+
+
+def req(ids: list[int], max_new: int, salt: str | None = None) -> Req:
+    return Req(rid=f"hf{next(_ids)}", input_ids=ids, max_new_tokens=max_new, cache_salt=salt)
+
+
+def tokens(seed: int, n: int, vocab: int = 320) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+def assert_idle(cluster: PDCluster) -> None:
+    for state in cluster.states():
+        assert state.locks == 0, state
+        assert {o for pool in state.pool_usage.values() for o in pool} <= {"radix"}, state
+
+
+def test_every_cached_path_decodes_what_transformers_decodes(arch_cluster) -> None:
+    path, cluster = arch_cluster
+    turn1 = req(tokens(1, 25), 10, "tenant-a")
+    out1 = cluster.generate(turn1, prefill_worker=0)
+    assert_matches(out1.output_ids, hf_generate(path, turn1.input_ids, 10))
+    assert out1.pages_handed_off == 7 and sum(out1.cached_tokens.values()) == 0
+    radix = cluster.generate(req(turn1.input_ids, 10, "tenant-a"), prefill_worker=0)
+    assert radix.cached_tokens["device"] == 24 and radix.output_ids == out1.output_ids
+    cluster.flush()
+    assert cluster.l3_writes()["offload"] > 0          # decode offloaded the answer's pages
+    fresh = cluster.generate(req(turn1.input_ids, 10, "tenant-a"), prefill_worker=1)
+    assert fresh.cached_tokens["storage"] == 24 and fresh.output_ids == out1.output_ids
+    # turn 2 on the worker that never saw turn 1's answer: prefetched from L3
+    turn2 = req(turn1.input_ids + out1.output_ids + tokens(2, 6), 8, "tenant-a")
+    out2 = cluster.generate(turn2, prefill_worker=1)
+    assert out2.cached_tokens["storage"] == PS * ((25 + 10 - 1) // PS) - 24
+    assert out2.cached_tokens["device"] == 24
+    assert_matches(out2.output_ids, hf_generate(path, turn2.input_ids, 8))
+    assert all(c.cross_namespace_tokens == 0 for c in (out1, radix, fresh, out2))
+    assert_idle(cluster)
+
+
+def test_two_tenants_never_share_pages(arch_cluster) -> None:
+    path, cluster = arch_cluster
+    prompt = tokens(3, 18)
+    a = cluster.generate(req(prompt, 5, "tenant-x"), prefill_worker=0)
+    cluster.flush()
+    b = cluster.generate(req(prompt, 5, "tenant-y"), prefill_worker=0)
+    assert sum(b.cached_tokens.values()) == 0
+    want = hf_generate(path, prompt, 5)
+    assert_matches(a.output_ids, want)
+    assert_matches(b.output_ids, want)
+    names = [cluster.router_names(req(prompt, 5, s)) for s in ("tenant-x", "tenant-y")]
+    assert set(names[0]).isdisjoint(names[1])
+    assert cluster.storage_client().batch_exists(names[1]) == 4   # b's own, written after
+    assert_idle(cluster)
+
+
+def test_two_checkpoints_of_one_shape_share_no_l3_pages(ray_cluster, hf_checkpoints,
+                                                        tmp_path) -> None:
+    disk = {"storage_backend": "disk", "disk_path": str(tmp_path), "num_prefill": 1}
+    a, b = (small(hf_checkpoints[n], **disk) for n in ("llama", "llama-b"))
+    assert a.pd_config.layout.page_shape == b.pd_config.layout.page_shape
+    prompt = tokens(4, 22)
+    served = []
+    for cfg in (a, b, a):   # each a fresh cluster over the same disk L3
+        cluster = PDCluster.start(cfg)
+        try:
+            served.append(cluster.generate(req(prompt, 4)))
+            cluster.flush()
+        finally:
+            cluster.shutdown(check=True)
+    assert [s.cached_tokens["storage"] for s in served] == [0, 0, 20]
+    for cfg, out in zip((a, b, a), served):
+        assert_matches(out.output_ids, hf_generate(cfg.model, prompt, 4))
+
+
+def test_the_openai_front_serves_text_and_chat_with_the_checkpoints_tokenizer(
+        ray_cluster, hf_checkpoints) -> None:
+    openai = pytest.importorskip("openai")
+    from tests.integration.serving import running_app
+
+    path = hf_checkpoints["qwen2"]
+    tok = HFTokenizer(path)
+    args = {"model": path, "page_size": PS, "num_prefill": 1, "num_decode": 1,
+            "num_storage": 1, "cluster_name": None}
+    with running_app(args, "pd-cache-hf") as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list().data] == [path]
+        prompt = "The cache layer keeps the KV of every prompt"
+        text = client.completions.create(model=path, prompt=prompt, max_tokens=6)
+        want = hf_generate(path, tok.encode(prompt), 6)
+        assert_matches(text.choices[0].model_extra["token_ids"], want)
+        assert text.choices[0].text == tok.decode(text.choices[0].model_extra["token_ids"])
+        messages = [{"role": "system", "content": "Be terse."},
+                    {"role": "user", "content": "Hello! How are you today?"}]
+        chat = client.chat.completions.create(model=path, messages=messages, max_tokens=6)
+        ids = chat.choices[0].model_extra["token_ids"]
+        assert_matches(ids, hf_generate(path, tok.chat(messages), 6))
+        assert chat.choices[0].message.content == tok.decode(ids)
+        parts = list(client.chat.completions.create(model=path, messages=messages,
+                                                    max_tokens=6, stream=True))
+        assert "".join(p.choices[0].delta.content or "" for p in parts) == tok.decode(ids)
+        again = client.chat.completions.create(model=path, messages=messages, max_tokens=6)
+        assert again.usage.prompt_tokens_details.cached_tokens > 0
