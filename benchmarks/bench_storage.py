@@ -8,8 +8,10 @@
               of the four in each run; ``*_vs_memcpy_1thread`` compares with the fastest
               single-threaded one
   set         StorageClient.batch_set, in batches, fresh page names every repetition
-  get         StorageClient.batch_get of the same pages: the shard lends object refs, the
-              client maps the records and verifies every one (checksums included)
+  get         StorageClient.batch_get of the same pages: the shard lends the refs of the
+              blocks holding them (one object per write batch), the client maps them in one
+              call and verifies every record (checksums of every byte included, on up to
+              its verify_threads threads)
   get+copy    get, then copy every page into the pool (what a worker does with them)
   get (pipelined)  submit_get of every batch first, then collect them in order (how the
               cache controller prefetches); reported beside, not used for the target
@@ -77,6 +79,7 @@ BIG_MODEL = ModelConfig(name="bench-8b", vocab_size=128256, hidden_size=4096, nu
                         max_context=8192, kv_dtype="bfloat16")
 HYBRID_MODEL = dataclasses.replace(BIG_MODEL, name="bench-8b-hybrid", layer_pattern="ra" * 16)
 STATE_EVERY = 4
+TARGET = 0.5   # L3 get through one tier actor vs the fastest copy of the same bytes
 
 
 def config(model: ModelConfig, num_shards: int) -> PDCacheConfig:
@@ -565,8 +568,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                    get_vs_memcpy=one["get_vs_memcpy"], set_vs_memcpy=one["set_vs_memcpy"],
                    get_vs_memcpy_1thread=one["get_vs_memcpy_1thread"],
                    exists_1024_ms=exists["exists_1024_ms_1_shard"],
-                   target_get_vs_memcpy=0.3, meets_target=one["get_vs_memcpy"] >= 0.3)
-    print(f"get vs memcpy {one['get_vs_memcpy']:.2f}x (target 0.3x): "
+                   target_get_vs_memcpy=TARGET,
+                   meets_target=one["get_vs_memcpy"] >= TARGET)
+    print(f"get_vs_memcpy {one['get_vs_memcpy']:.2f}x (target {TARGET}x): "
           f"{'met' if results['meets_target'] else 'NOT met'}")
     return results
 

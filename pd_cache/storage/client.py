@@ -11,9 +11,11 @@ split per shard, sent to all of them at once and merged back in key order::
 Expected priors are computed here, over the whole batch, and sent with each shard's
 keys, so the chain check holds although no shard sees consecutive keys.
 
-A ``memory`` shard answers a get with object refs (``pd_cache.storage.shared``): the
-client maps the records from the node's object store and verifies each one itself before
-returning it; a record that fails is a miss and the shard is told to discard it.
+A ``memory`` shard answers a get with refs to blocks of records (``pd_cache.storage
+.shared``): the client maps them from the node's object store in one call and verifies
+each record itself before returning it (``pd_cache.storage.reader``: checksums on a few
+threads for a large batch); a record that fails is a miss and the shard is told to
+discard it.
 
 The misses only a reader sees (a shard that timed out or failed, a lent record that did
 not verify) are counted in the client's ``Stats`` and, inside a Ray worker, exported as
@@ -42,10 +44,11 @@ from pd_cache.storage.base import (
     Usage,
 )
 from pd_cache.storage.batch import Batch, check_batch, usable_hits
-from pd_cache.storage.shared import Received, SharedPages, receive
+from pd_cache.storage.reader import Checksummer, Received, receive
 
 if TYPE_CHECKING:
     from pd_cache.core.config import KVLayout
+    from pd_cache.storage.shared import SharedPages
 
 log = logging.getLogger(__name__)
 
@@ -74,11 +77,14 @@ class StorageClient(StorageBackend):
     Records a shard lends by reference are verified here against ``layout`` (the shard's
     own layout when ``None``); received payloads are read-only views of shared memory.
     ``metrics`` receives the misses counted here (default: Ray's, inside a Ray worker).
+    ``verify_threads``: threads that checksum a large answer side by side (default: the
+    cores this process may use, at most 4; 1 hashes inline).
     """
 
     def __init__(self, handles: Sequence[Any], *, algo: str = "xxh3_128",
                  timeout_s: float | None = 30.0, layout: KVLayout | None = None,
-                 metrics: PDCacheMetrics | None = None) -> None:
+                 metrics: PDCacheMetrics | None = None,
+                 verify_threads: int | None = None) -> None:
         if not handles:
             raise ValueError("handles: expected at least one StorageTier actor")
         if timeout_s is not None and not timeout_s > 0:
@@ -90,6 +96,7 @@ class StorageClient(StorageBackend):
             metrics = PDCacheMetrics("ray")
         self.metrics = metrics
         self._warned: set[tuple[int, MissReason]] = set()
+        self._checksums = Checksummer(verify_threads)
 
     @classmethod
     def from_config(cls, config: Any, name: str | None = None, *, detached: bool = False,
@@ -191,7 +198,8 @@ class StorageClient(StorageBackend):
                     continue
                 got = receive(shared, [batches[j].keys[i] for i in pos],
                               [batches[j].priors[i] for i in pos],
-                              self.layout or shared.layout, self.algo, deadline, rid)
+                              self.layout or shared.layout, self.algo, deadline, rid,
+                              self._checksums)
                 fault = self._settle(shard, shared.pool, got) or fault
                 out.append(got.pages)
             return out, fault

@@ -1,10 +1,10 @@
 """The logic every in-process backend shares: index, bound, verification, counting.
 
 A subclass only says where a record's bytes live (:meth:`LocalBackend._write`,
-``_read``, ``_delete``, ``_footprint``). The index maps ``(pool, name)`` to the record's
-header and size, so ``exists`` and the chain check never touch the bytes; the eviction
-policy (``pd_cache.storage.eviction``) keeps the order in which records go: the least
-recently used chain first, from its tail.
+``_read``, ``_delete``, ``_footprint``; ``_write_all`` to keep a batch together). The
+index maps ``(pool, name)`` to the record's header and size, so ``exists`` and the chain
+check never touch the bytes; the eviction policy (``pd_cache.storage.eviction``) keeps the
+order in which records go: the least recently used chain first, from its tail.
 """
 
 from __future__ import annotations
@@ -201,12 +201,46 @@ class LocalBackend(StorageBackend):
                                  f"capacity_bytes={self.capacity_bytes}")
 
     def _put_all(self, b: Batch, names: list[bytes], at: int) -> list[bool]:
-        """Store ``b``'s pages; ``names[at:]`` are its keys, ``names[:at]`` the chain before."""
-        return [self._put((b.pool, key), rec, prior, names, at + i)
-                for i, (key, rec, prior) in enumerate(zip(b.keys, b.pages or [], b.priors))]
+        """Store ``b``'s pages; ``names[at:]`` are its keys, ``names[:at]`` the chain before.
 
-    def _put(self, slot: Slot, record: PageRecord, prior: bytes | None,
-             names: list[bytes], at: int) -> bool:
+        Pages are indexed (evicting as they come) first and written together after, so a
+        backend may keep one batch in one place (:meth:`_write_all`).
+        """
+        new: list[tuple[int, Slot, PageRecord]] = []
+        acks = [self._put((b.pool, key), rec, prior, names, at, i, new)
+                for i, (key, rec, prior) in enumerate(zip(b.keys, b.pages or [], b.priors))]
+        # NOTE: a page evicted by a later page of its own batch is not written; it still
+        # counts as stored, then evicted (as when the bound makes a page go at once).
+        todo = {slot: (i, rec) for i, slot, rec in new if slot in self._index}
+        errors = self._write_all([(slot, rec) for slot, (_, rec) in todo.items()]) if todo \
+            else []
+        for (slot, (i, _)), error in zip(todo.items(), errors):
+            if error is not None:
+                log.warning("cannot store L3 record %s/%s: %s", slot[0], slot[1].hex(), error)
+                self._remove(slot)
+                self._stats.count(Event.REFUSED, MissReason.STORAGE_ERROR)
+                acks[i] = False
+        stored = len(new) - sum(e is not None for e in errors)
+        if stored:
+            self._stats.count(Event.STORED, n=stored)
+        return acks
+
+    def _write_all(self, items: list[tuple[Slot, PageRecord]]) -> list[str | None]:
+        """Write the records a batch just indexed; per record, why it could not be written
+        (``None``: it was). One record at a time unless a backend does better."""
+        errors: list[str | None] = []
+        for slot, record in items:
+            try:
+                self._write(slot, record)
+                errors.append(None)
+            except OSError as e:
+                errors.append(str(e))
+        return errors
+
+    def _put(self, slot: Slot, record: PageRecord, prior: bytes | None, names: list[bytes],
+             at: int, i: int, new: list[tuple[int, Slot, PageRecord]]) -> bool:
+        """Check and index page ``i`` of a batch (``names[at + i]``); one new to the store
+        is added to ``new``, for :meth:`_put_all` to write."""
         if prior is not None and record.header.prior != prior:
             self._stats.count(Event.REFUSED, MissReason.NAMESPACE_REFUSED)
             return False
@@ -220,9 +254,14 @@ class LocalBackend(StorageBackend):
             return True
         # NOTE: only a page the caller vouched for as the next of its chain (a prior to
         # check) may hang from the pages before it in ``names``; otherwise, its prior.
-        lo = at if prior is None else max(0, at - LINK_SCAN)
-        earlier = (names[i] for i in range(at - 1, lo - 1, -1))
-        return self._store(slot, record, self._link(slot[0], record.header.prior, earlier))
+        here = at + i
+        lo = here if prior is None else max(0, here - LINK_SCAN)
+        earlier = (names[j] for j in range(here - 1, lo - 1, -1))
+        self._index_add(slot, record.header, self._footprint(record),
+                        self._link(slot[0], record.header.prior, earlier))
+        new.append((i, slot, record))
+        self._evict_until(self.capacity_bytes)  # maybe the page itself
+        return True
 
     def _link(self, pool: str, prior: bytes, earlier: Iterable[bytes]) -> Link:
         """The stored (or just evicted) page a new one hangs from in its chain: its prior,
@@ -232,24 +271,6 @@ class LocalBackend(StorageBackend):
             if slot in self._index or slot in self._ghosts:
                 return Link(slot, slot not in self._index)
         return Link((pool, prior), False)
-
-    def _store(self, slot: Slot, record: PageRecord, link: Link) -> bool:
-        """Index the page as its chain's newest, evict to fit (maybe the page itself), write.
-
-        A page evicted before it was written still counts as stored, then evicted.
-        """
-        self._index_add(slot, record.header, self._footprint(record), link)
-        self._evict_until(self.capacity_bytes)
-        try:
-            if slot in self._index:
-                self._write(slot, record)
-        except OSError as e:
-            log.warning("cannot store L3 record %s/%s: %s", slot[0], slot[1].hex(), e)
-            self._remove(slot)
-            self._stats.count(Event.REFUSED, MissReason.STORAGE_ERROR)
-            return False
-        self._stats.count(Event.STORED)
-        return True
 
     def _index_add(self, slot: Slot, header: RecordHeader, size: int,
                    link: Link | None = None) -> None:

@@ -15,9 +15,10 @@ trusting the lookup that found the record.
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -204,15 +205,46 @@ def verify(record: PageRecord, layout: KVLayout, algo: str, *, name: bytes,
     then every payload checksum. Without ``tokens`` (a tier: it has none) the name is
     only compared with the one asked for.
     """
-    h = record.header
-    problem = (header_problem(h, layout, algo, name, prior, pool) or payload_problem(record)
-               or (None if tokens is None else tokens_problem(h, layout, tokens)))
-    if problem:
-        return problem
-    for entry, tensor in zip(h.pools, record.payloads):
-        if checksum(tensor) != entry.checksum:
-            return f"pool {entry.name!r}: checksum mismatch"
-    return None
+    problem = _cheap_problem(record, layout, algo, name, prior, pool)
+    if problem is None and tokens is not None:
+        problem = tokens_problem(record.header, layout, tokens)
+    return problem or _checksum_problems([record], [None], checksums)[0]
+
+
+Checksums = Callable[[list[torch.Tensor]], list[int]]
+
+
+def checksums(tensors: list[torch.Tensor]) -> list[int]:
+    return [checksum(t) for t in tensors]
+
+
+def verify_all(records: Sequence[PageRecord], names: Sequence[bytes],
+               priors: Sequence[bytes | None], layout: KVLayout, algo: str, *,
+               pool: str | None = None, hash_all: Checksums = checksums) -> list[str | None]:
+    """:func:`verify` (without ``tokens``) of several records: why each one is not its
+    page, ``None`` for each that is. Every checksum of the records that passed the cheap
+    checks is computed in one ``hash_all`` call, which may spread them over threads."""
+    problems = [_cheap_problem(r, layout, algo, n, p, pool)
+                for r, n, p in zip(records, names, priors)]
+    return _checksum_problems(records, problems, hash_all)
+
+
+def _cheap_problem(record: PageRecord, layout: KVLayout, algo: str, name: bytes,
+                   prior: bytes | None, pool: str | None) -> str | None:
+    return header_problem(record.header, layout, algo, name, prior, pool) \
+        or payload_problem(record)
+
+
+def _checksum_problems(records: Sequence[PageRecord], problems: list[str | None],
+                       hash_all: Checksums) -> list[str | None]:
+    """``problems``, with a checksum mismatch for each record still without one."""
+    todo = [(k, entry, tensor) for k, r in enumerate(records) if problems[k] is None
+            for entry, tensor in zip(r.header.pools, r.payloads)]
+    sums = hash_all([tensor for _, _, tensor in todo]) if todo else []
+    for (k, entry, _), got in zip(todo, sums):
+        if got != entry.checksum and problems[k] is None:
+            problems[k] = f"pool {entry.name!r}: checksum mismatch"
+    return problems
 
 
 def header_problem(h: RecordHeader, layout: KVLayout, algo: str, name: bytes,
@@ -220,7 +252,7 @@ def header_problem(h: RecordHeader, layout: KVLayout, algo: str, name: bytes,
     """The part of :func:`verify` that needs only the header (cheap; no payload bytes)."""
     if h.version != RECORD_VERSION:
         return f"record version {h.version}, expected {RECORD_VERSION}"
-    if h.fingerprint != layout.fingerprint:
+    if h.fingerprint != fingerprint(layout):
         return f"layout fingerprint {h.fingerprint}, expected {layout.fingerprint}"
     size = DIGEST_SIZES.get(h.algo)
     if h.algo != algo or len(h.prior) != size or len(h.name) != size:
@@ -233,6 +265,12 @@ def header_problem(h: RecordHeader, layout: KVLayout, algo: str, name: bytes,
     if pool is not None and pool not in names:
         return f"pool {pool!r} not in record (has {names})"
     return _layout_problem(h, layout)
+
+
+@functools.lru_cache(maxsize=64)
+def fingerprint(layout: KVLayout) -> str:
+    """``layout.fingerprint``, computed once per layout (it digests every field)."""
+    return layout.fingerprint
 
 
 def tokens_problem(h: RecordHeader, layout: KVLayout, tokens: Any) -> str | None:

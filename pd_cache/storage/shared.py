@@ -1,59 +1,80 @@
 """Records lent through Ray's object store: a tier actor's ``memory`` backend and its readers.
 
-Inside a tier actor the memory backend keeps each record as one object in the node's
-object store, put once when it is stored and owned by the actor. A get answers with object
-refs instead of bytes, and a reader on the same node maps the objects::
+Inside a tier actor the memory backend keeps the records of one write batch as one object
+in the node's object store (a *block*), put once when they are stored and owned by the
+actor; the index stays per page. A get answers with the blocks' refs and, per key, where
+its record sits in them, and a reader on the same node maps the blocks::
 
-    writer --batch_set--> tier: verify the record, ray.put it once, keep the ref
-    reader --batch_get--> tier: chain check, lend the refs        (no payload bytes move)
-    reader: ray.get(refs) -> read-only views; verify every record; a bad one is a miss
-            and the tier is told to discard it
+    writer --batch_set--> tier: verify each record, ray.put the batch's records once
+    reader --batch_get--> tier: chain check, lend block refs + (block, position) per key
+    reader: one ray.get of the blocks -> read-only views; verify every record it asked
+            for; a bad one is a miss and the tier is told to discard it
 
 The reader, not the tier, checks names, checksums, shapes and dtypes, so the bytes it uses
 are the bytes it verified, whatever another reader did to its own view of the object (the
 request's prefetch then checks each name against its own tokens: records keep none).
 Objects die with the actor that put them (``OwnerDiedError`` at a reader), as memory
 records do anyway: a reader counts that as a miss (``storage_error``), never raises.
+
+Eviction stays per page (chain tails first) and ``usage`` counts the pages kept. A block
+lives while one of its pages is kept, so the pages it lost still hold memory ("dead"
+bytes): past ``capacity_bytes / 4`` of them, the blocks with the most are rewritten with
+their survivors (one copy), and a block that lost a page a reader found bad is rewritten
+at once. The object store thus holds at most 1.25x ``capacity_bytes`` for the shard, plus
+what readers still map.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import msgspec
 
 from pd_cache.core.config import KVLayout
-from pd_cache.core.vocab import Event, MissReason
+from pd_cache.core.vocab import Event
 from pd_cache.storage.base import ExtraInfo, PoolTransfer
-from pd_cache.storage.batch import check_batch, normalize_keys
+from pd_cache.storage.batch import Batch, check_batch, normalize_keys
 from pd_cache.storage.local import LocalBackend, Slot
-from pd_cache.storage.record import PageRecord, check_pool_name, verify
+from pd_cache.storage.record import PageRecord, check_pool_name
 
 log = logging.getLogger(__name__)
+
+DEAD_FRACTION = 4   # dead bytes allowed: capacity_bytes // DEAD_FRACTION
 
 
 class SharedPages(msgspec.Struct, frozen=True, gc=False):
     """A tier's answer for one pool of a get, in key order: a page or ``None`` per key.
 
-    ``lent``: pages are object refs to records the reader fetches and verifies against
-    ``layout`` (the tier's, unless the reader knows its own). Otherwise pages are records
-    the tier verified itself before sending them.
+    ``lent``: ``blocks`` are object refs to tuples of records and each page is
+    ``(block, position)`` there, for the reader to fetch and verify against ``layout``
+    (the tier's, unless the reader knows its own). Otherwise pages are records the tier
+    verified itself before sending them.
     """
 
     pool: str
     pages: list[Any]
     lent: bool = False
     layout: KVLayout | None = None
+    blocks: list[Any] = []
+
+
+class _Block:
+    """The records of one write batch in one object; the backend's ref keeps it alive."""
+
+    __slots__ = ("dead", "live", "ref", "sizes", "slots")
+
+    def __init__(self, ref: Any, slots: list[Slot | None], sizes: list[int]) -> None:
+        self.ref, self.slots, self.sizes = ref, slots, sizes
+        self.live, self.dead = sum(sizes), 0
 
 
 class SharedMemoryBackend(LocalBackend):
-    """The ``memory`` backend of a tier actor: one object-store object per record.
+    """The ``memory`` backend of a tier actor: one object-store object per write batch.
 
-    Bounded like ``memory`` (chain tails first); an evicted or discarded record drops the
-    actor's ref, and Ray frees the object once no reader still holds a view of it.
+    Bounded like ``memory`` (chain tails first); once no kept page is in a block, the
+    actor drops its ref and Ray frees the object when no reader still holds a view of it.
     ``batch_get_v2`` still works (it maps the object in this process and verifies it here);
     :meth:`batch_lend_v2` is the fast path.
     """
@@ -61,126 +82,126 @@ class SharedMemoryBackend(LocalBackend):
     def __init__(self, layout: KVLayout, capacity_bytes: int, *,
                  algo: str = "xxh3_128") -> None:
         super().__init__(layout, capacity_bytes, algo=algo)
-        self._refs: dict[Slot, Any] = {}
+        self._where: dict[Slot, tuple[_Block, int]] = {}
+        self._holed: set[_Block] = set()   # blocks holding dead bytes
+        self._dead = 0
+        self.dead_bytes_bound = capacity_bytes // DEAD_FRACTION
 
-    def _write(self, slot: Slot, record: PageRecord) -> None:
+    @property
+    def dead_bytes(self) -> int:
+        """Bytes of pages gone from the store that their blocks still hold."""
+        return self._dead
+
+    def _write_all(self, items: list[tuple[Slot, PageRecord]]) -> list[str | None]:
         import ray
 
         try:
-            # NOTE: the one copy a record costs: the caller's bytes into an object this
+            # NOTE: the one copy a batch costs: the caller's bytes into an object this
             # process owns (payloads travel as uint8 buffers, see PageRecord.__reduce__).
-            self._refs[slot] = ray.put(record)
+            ref = ray.put(tuple(record for _, record in items))
         except ray.exceptions.ObjectStoreFullError as e:
-            raise OSError(f"object store full: {e}") from None
+            return [f"object store full: {e}"[:300]] * len(items)
+        block = _Block(ref, [slot for slot, _ in items], [r.nbytes for _, r in items])
+        for i, (slot, _) in enumerate(items):
+            self._where[slot] = (block, i)
+        return [None] * len(items)
+
+    def _write(self, slot: Slot, record: PageRecord) -> None:
+        error = self._write_all([(slot, record)])[0]
+        if error is not None:
+            raise OSError(error)
 
     def _read(self, slot: Slot) -> PageRecord | None:
         import ray
 
-        ref = self._refs.get(slot)
+        where = self._where.get(slot)
         try:
-            return None if ref is None else ray.get(ref, timeout=30)
+            return None if where is None else ray.get(where[0].ref, timeout=30)[where[1]]
         except ray.exceptions.RayError:
             return None
 
     def _delete(self, slot: Slot) -> None:
-        self._refs.pop(slot, None)
+        where = self._where.pop(slot, None)
+        if where is None:
+            return
+        block, i = where
+        block.slots[i] = None
+        block.live -= block.sizes[i]
+        if block.live:
+            block.dead += block.sizes[i]
+            self._dead += block.sizes[i]
+            self._holed.add(block)
+        else:  # its last page: the block goes (Ray frees it once readers let go)
+            self._dead -= block.dead
+            self._holed.discard(block)
 
     def _footprint(self, record: PageRecord) -> int:
         return record.nbytes
 
+    def batch_set_v2(self, transfers: Sequence[PoolTransfer],
+                     extra_info: ExtraInfo | None = None) -> list[list[bool]]:
+        acks = super().batch_set_v2(transfers, extra_info)
+        with self._lock:
+            while self._dead > self.dead_bytes_bound and self._holed:
+                self._rewrite(max(self._holed, key=lambda b: b.dead))
+        return acks
+
+    def _rewrite(self, block: _Block) -> None:
+        """Put ``block``'s kept records in a new block, freeing its dead bytes."""
+        import ray
+
+        self._holed.discard(block)
+        kept = [(slot, i) for i, slot in enumerate(block.slots) if slot is not None]
+        try:
+            records = ray.get(block.ref, timeout=30)
+            error = self._write_all([(slot, records[i]) for slot, i in kept])[0]
+        except ray.exceptions.RayError as e:
+            error = f"{type(e).__name__}: {e}"[:300]
+        if error is not None:  # it stays as it is (its dead bytes stay counted)
+            log.warning("L3 block of %d pages not rewritten: %s", len(kept), error)
+            return
+        self._dead -= block.dead
+
     def batch_lend_v2(self, transfers: Sequence[PoolTransfer],
                       extra_info: ExtraInfo | None = None) -> list[SharedPages]:
-        """Refs to the stored records, after the cheap checks (index and chain).
+        """Refs to the blocks holding the stored records, after the cheap checks (index and
+        chain), and where each key's record is in them.
 
         Counts a miss per absent key and a hit per lent key; the reader verifies the
         records and reports bad ones through :meth:`discard_v2`.
         """
         batches = check_batch(transfers, extra_info, self.algo, with_pages=False)
         with self._lock:
-            return [SharedPages(b.pool, [self._lend((b.pool, k), p)
-                                         for k, p in zip(b.keys, b.priors)],
-                                lent=True, layout=self.layout) for b in batches]
+            return [self._lend(b) for b in batches]
 
-    def _lend(self, slot: Slot, prior: bytes | None) -> Any:
-        if not self._available(slot, prior):
-            return None
-        self._served(slot)
-        return self._refs[slot]
+    def _lend(self, b: Batch) -> SharedPages:
+        blocks: dict[_Block, int] = {}
+        pages: list[tuple[int, int] | None] = []
+        for key, prior in zip(b.keys, b.priors):
+            slot = (b.pool, key)
+            if not self._available(slot, prior):
+                pages.append(None)
+                continue
+            self._served(slot)
+            block, i = self._where[slot]
+            pages.append((blocks.setdefault(block, len(blocks)), i))
+        return SharedPages(b.pool, pages, lent=True, layout=self.layout,
+                           blocks=[block.ref for block in blocks])
 
     def discard_v2(self, pool: str, keys: Sequence[bytes | str]) -> int:
-        """Delete records a reader found bad (counted ``verification_failed``); how many."""
+        """Delete records a reader found bad (counted ``verification_failed``); how many.
+
+        Their blocks are rewritten without them at once: a bad page is not kept around.
+        """
         slots = [(check_pool_name(pool), k) for k in normalize_keys(keys, self.algo)]
         removed = 0
         with self._lock:
+            touched = {self._where[s][0] for s in slots if s in self._where}
             for slot in slots:
                 if slot in self._index:
                     self._remove(slot)
                     self._stats.count(Event.VERIFICATION_FAILED)
                     removed += 1
+            for block in touched & self._holed:
+                self._rewrite(block)
         return removed
-
-
-class Received(NamedTuple):
-    """What a reader made of one lent pool answer."""
-
-    pages: list[PageRecord | None]  # verified records, ``None`` for every miss
-    bad: list[bytes]                # keys whose record failed verification (discard them)
-    lost: int                       # keys lent but not fetched (tier died, timed out)
-    reason: MissReason | None       # why they were not fetched
-    detail: str
-
-
-def receive(shared: SharedPages, keys: Sequence[bytes], priors: Sequence[bytes | None],
-            layout: KVLayout, algo: str, deadline: float | None,
-            request_id: str | None = None) -> Received:
-    """Fetch the lent records of ``keys`` (zero-copy on one node) and verify each one."""
-    fetched, reason, detail = _fetch(shared.pages, deadline)
-    pages: list[PageRecord | None] = []
-    bad, lost = [], 0
-    for key, prior, ref, record in zip(keys, priors, shared.pages, fetched):
-        if record is None:
-            lost += ref is not None
-            pages.append(None)
-            continue
-        problem = verify(record, layout, algo, name=key, prior=prior, pool=shared.pool)
-        if problem:
-            log.warning("dropping lent L3 record %s/%s (request %s): %s", shared.pool,
-                        key.hex(), request_id, problem)
-            bad.append(key)
-            record = None
-        pages.append(record)
-    return Received(pages, bad, lost, reason if lost else None, detail)
-
-
-def _fetch(refs: list[Any], deadline: float | None
-           ) -> tuple[list[PageRecord | None], MissReason | None, str]:
-    """``ray.get`` of the non-``None`` refs; what could not be fetched is ``None``."""
-    import ray
-
-    present = [r for r in refs if r is not None]
-    if not present:
-        return [None] * len(refs), None, ""
-    try:
-        got = iter(ray.get(present, timeout=_remaining(deadline)))
-        return [None if r is None else next(got) for r in refs], None, ""
-    except ray.exceptions.GetTimeoutError as e:
-        return [None] * len(refs), MissReason.TIMEOUT, f"{type(e).__name__}: {e}"[:300]
-    except ray.exceptions.RayError as e:
-        # NOTE: usually the tier died and its objects with it (OwnerDiedError); one lost
-        # object must not cost the others, so fetch what is left one by one.
-        detail = f"{type(e).__name__}: {e}"[:300]
-        return [None if r is None else _fetch_one(r, deadline) for r in refs], \
-            MissReason.STORAGE_ERROR, detail
-
-
-def _fetch_one(ref: Any, deadline: float | None) -> PageRecord | None:
-    import ray
-
-    try:
-        return ray.get(ref, timeout=_remaining(deadline))
-    except ray.exceptions.RayError:
-        return None
-
-
-def _remaining(deadline: float | None) -> float | None:
-    return None if deadline is None else max(0.0, deadline - time.monotonic())

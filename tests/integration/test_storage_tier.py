@@ -285,6 +285,19 @@ def object_store_bytes(cluster: Any) -> int:
         .store_stats.object_store_bytes_used
 
 
+def quiet_store_bytes(cluster: Any, deadline_s: float = 30) -> int:
+    """Object-store bytes once they stop changing: objects of earlier tests' dead actors are
+    freed asynchronously, and a baseline taken meanwhile would count them."""
+    end, last = time.monotonic() + deadline_s, object_store_bytes(cluster)
+    while time.monotonic() < end:
+        time.sleep(0.25)
+        now = object_store_bytes(cluster)
+        if now == last:
+            return now
+        last = now
+    return last
+
+
 def settles(condition: Callable[[], bool], deadline_s: float = 30) -> bool:
     """Whether ``condition`` holds within the deadline (Ray frees objects asynchronously)."""
     end = time.monotonic() + deadline_s
@@ -305,7 +318,9 @@ def test_memory_shard_lends_refs_and_the_client_verifies(
     answer = ray.get(handles[0].batch_get_shared_v2.remote(
         [PoolTransfer("kv", chain.names[:2] + [chain.names[0][::-1]])]))
     assert answer[0].lent
-    assert [isinstance(p, ray.ObjectRef) for p in answer[0].pages] == [True, True, False]
+    # one object per write batch: both pages are in the one block the answer lends
+    assert answer[0].pages == [(0, 0), (0, 1), None]
+    assert [isinstance(b, ray.ObjectRef) for b in answer[0].blocks] == [True]
     got = client.batch_get(chain.names)
     for g, want in zip(got, chain.records):
         assert_same(g, want)
@@ -339,7 +354,7 @@ def test_damaged_lent_record_is_a_miss_and_is_discarded(ray_cluster: Any) -> Non
 def test_killed_memory_shard_lent_pages_are_misses_not_a_hang(ray_cluster: Any,
                                                               restart: bool) -> None:
     config = config_for(num_shards=1)
-    before = object_store_bytes(ray_cluster)
+    before = quiet_store_bytes(ray_cluster)
     handle = storage_actor(config, max_restarts=1 if restart else 0)
     client = StorageClient([handle], timeout_s=20, layout=config.layout)
     try:
@@ -349,6 +364,8 @@ def test_killed_memory_shard_lent_pages_are_misses_not_a_hang(ray_cluster: Any,
         pending = client.submit_get(chain.names)
         while not pending.done():  # the shard has lent its refs ...
             time.sleep(0.005)
+        probe = ray.get(handle.batch_get_shared_v2.remote(
+            [PoolTransfer("kv", chain.names[:1])]))[0].blocks[0]   # the batch's one block
         ray.kill(handle, no_restart=not restart)  # ... and dies with the objects
         if restart:
             assert wait_restarted(handle, pid)
@@ -357,6 +374,7 @@ def test_killed_memory_shard_lent_pages_are_misses_not_a_hang(ray_cluster: Any,
         # NOTE: until Ray has freed the dead owner's objects, a reader may still map them
         # (whole and verified: a valid hit); once freed, they are lost.
         assert settles(lambda: object_store_bytes(ray_cluster) <= before)
+        assert settles(lambda: lost(probe))  # other tests' objects may have gone meanwhile
         start = time.monotonic()
         assert pending.result() == [None] * 8
         assert time.monotonic() - start < 15
@@ -368,6 +386,14 @@ def test_killed_memory_shard_lent_pages_are_misses_not_a_hang(ray_cluster: Any,
             assert client.stats()["miss/not_stored"] == 8
     finally:
         ray.kill(handle)
+
+
+def lost(ref: Any) -> bool:
+    try:
+        ray.get(ref, timeout=5)
+        return False
+    except ray.exceptions.RayError:
+        return True
 
 
 def alive(handle: Any) -> bool:
@@ -386,7 +412,7 @@ def test_lent_objects_are_freed_on_eviction_discard_and_death(ray_cluster: Any) 
     config = PDCacheConfig(model=base.model, cache=base.cache,
                            storage=StorageConfig(capacity_bytes=capacity, num_shards=1))
     client = StorageClient.from_config(config)
-    before = object_store_bytes(ray_cluster)
+    before = quiet_store_bytes(ray_cluster)
     grown = lambda: object_store_bytes(ray_cluster) - before  # noqa: E731
     try:
         # 8 prompts of 4 pages (a store full of one long chain keeps its head instead)
@@ -433,9 +459,9 @@ def test_shared_backend_keeps_the_backend_contract(ray_cluster: Any, tmp_path: P
     for got, want in zip(store.batch_get(names[9:]), records[9:]):
         assert_same(got, want)  # verified in this process
     lent = store.batch_lend_v2([PoolTransfer("kv", names[8:])])[0]
-    assert lent.pages[0] is None
-    for ref, want in zip(lent.pages[1:], records[9:]):
-        assert_same(ray.get(ref), want)  # for a reader to verify
+    assert lent.pages[0] is None and len(lent.blocks) == 3  # one block per write batch
+    for (block, i), want in zip(lent.pages[1:], records[9:]):
+        assert_same(ray.get(lent.blocks[block])[i], want)  # for a reader to verify
     with pytest.raises(ValueError, match="1 records for 2 keys"):
         store.batch_set(names[:2], records[:1])
     with pytest.raises(ValueError, match=r"keys\[0\]"):
@@ -445,3 +471,27 @@ def test_shared_backend_keeps_the_backend_contract(ray_cluster: Any, tmp_path: P
     stats = store.stats()
     assert stats["evicted/"] == 8 and stats["verification_failed/"] == 1
     assert stats["hit/"] == 12 + 3 + 3 and stats["miss/evicted"] == 8 + 1
+
+
+def test_shared_backend_rewrites_blocks_past_the_dead_bytes_bound(ray_cluster: Any) -> None:
+    config = config_for(num_shards=1)
+    a, b = Chain(config.layout, 8, seed=40), Chain(config.layout, 3, seed=41)
+    page_bytes = a.records[0].nbytes
+    store = SharedMemoryBackend(config.layout, 8 * page_bytes)
+    assert store.dead_bytes_bound == 2 * page_bytes
+    assert store.batch_set(a.names, a.records) == [True] * 8   # one block of 8 pages
+    first = store.batch_lend_v2([PoolTransfer("kv", a.names)])[0]
+    assert len(first.blocks) == 1 and first.pages == [(0, i) for i in range(8)]
+    for i in range(3):  # each page of b evicts a's tail page by page
+        assert store.batch_set(b.names[i:i + 1], b.records[i:i + 1],
+                               ExtraInfo(prefix_keys=b.names[:i])) == [True]
+        assert store.batch_exists(a.names) == 7 - i
+        assert store.dead_bytes == ((i + 1) * page_bytes if i < 2 else 0)
+    lent = store.batch_lend_v2([PoolTransfer("kv", a.names[:5])])[0]
+    assert len(lent.blocks) == 1 and lent.blocks[0] != first.blocks[0]  # rewritten
+    assert lent.pages == [(0, i) for i in range(5)]
+    block = ray.get(lent.blocks[0])
+    assert len(block) == 5
+    for got, want in zip(block, a.records):
+        assert_same(got, want)
+    assert store.usage().bytes == 8 * page_bytes and store.stats()["evicted/"] == 3

@@ -1,0 +1,139 @@
+"""The reader's side of lent records: fetch a tier's blocks, verify what was asked for.
+
+A ``memory`` tier answers a get with refs to blocks (one object-store object per write
+batch, see ``pd_cache.storage.shared``) and, per key, where its record is in them. The
+reader maps every block of the answer in one ``ray.get`` (read-only views of shared memory
+on one node), then verifies each record it asked for: the cheap header checks one by one,
+then every checksum in one :class:`Checksummer` call, which splits a large batch over a
+few threads (xxhash releases the GIL, and one core alone cannot read memory as fast as
+two). A record that fails is a miss the tier is told to discard; a block that cannot be
+fetched (the tier died with its objects, or the deadline passed) makes its keys misses.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple
+
+import torch
+
+from pd_cache.core.config import KVLayout
+from pd_cache.core.vocab import MissReason
+from pd_cache.storage.record import PageRecord, checksums, verify_all
+from pd_cache.storage.shared import SharedPages
+
+log = logging.getLogger(__name__)
+
+# NOTE: below this many bytes a batch is hashed inline: handing work to threads costs more.
+PARALLEL_MIN_BYTES = 8 << 20
+MAX_THREADS = 4
+
+
+def default_threads() -> int:
+    """Cores this process may run on, at most ``MAX_THREADS``."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+        else os.cpu_count() or 1
+    return max(1, min(MAX_THREADS, cores))
+
+
+class Checksummer:
+    """Computes the checksums of many payloads, on up to ``threads`` threads at once."""
+
+    def __init__(self, threads: int | None = None) -> None:
+        threads = default_threads() if threads is None else threads
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads: expected an int >= 1, got {threads!r}")
+        self.threads = threads
+        self._pool: ThreadPoolExecutor | None = None
+
+    def __call__(self, tensors: list[torch.Tensor]) -> list[int]:
+        total = sum(t.numel() * t.element_size() for t in tensors)
+        parts = min(self.threads, len(tensors))
+        if parts < 2 or total < PARALLEL_MIN_BYTES:
+            return checksums(tensors)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="pd-cache-hash")
+        # contiguous runs of about equal length, one per thread; results in order
+        bounds = [len(tensors) * k // parts for k in range(parts + 1)]
+        runs = [tensors[lo:hi] for lo, hi in zip(bounds, bounds[1:])]
+        return [c for run in self._pool.map(checksums, runs) for c in run]
+
+
+class Received(NamedTuple):
+    """What a reader made of one lent pool answer."""
+
+    pages: list[PageRecord | None]  # verified records, ``None`` for every miss
+    bad: list[bytes]                # keys whose record failed verification (discard them)
+    lost: int                       # keys lent but not fetched (tier died, timed out)
+    reason: MissReason | None       # why they were not fetched
+    detail: str
+
+
+def receive(shared: SharedPages, keys: Sequence[bytes], priors: Sequence[bytes | None],
+            layout: KVLayout, algo: str, deadline: float | None,
+            request_id: str | None = None, hash_all: Checksummer | None = None) -> Received:
+    """Fetch the lent blocks of ``keys`` in one call (zero-copy on one node) and verify
+    each record asked for (checksums through ``hash_all``; inline when ``None``)."""
+    blocks, reason, detail = _fetch(shared.blocks, deadline)
+    pages: list[PageRecord | None] = []
+    problems: dict[int, str] = {}
+    lost = 0
+    for k, at in enumerate(shared.pages):
+        block = None if at is None else blocks[at[0]]
+        lost += at is not None and block is None
+        pages.append(None if block is None else _pick(block, at[1]))
+        if block is not None and pages[k] is None:
+            problems[k] = "not a record"
+    got = [k for k, page in enumerate(pages) if page is not None]
+    found = verify_all([pages[k] for k in got], [keys[k] for k in got],
+                       [priors[k] for k in got], layout, algo, pool=shared.pool,
+                       hash_all=hash_all or checksums)
+    problems.update((k, problem) for k, problem in zip(got, found) if problem)
+    for k, problem in sorted(problems.items()):
+        log.warning("dropping lent L3 record %s/%s (request %s): %s", shared.pool,
+                    keys[k].hex(), request_id, problem)
+        pages[k] = None
+    return Received(pages, [keys[k] for k in sorted(problems)], lost,
+                    reason if lost else None, detail)
+
+
+def _pick(block: Any, i: int) -> PageRecord | None:
+    """Record ``i`` of a fetched block, if there is one."""
+    if isinstance(block, tuple) and 0 <= i < len(block) and isinstance(block[i], PageRecord):
+        return block[i]
+    return None
+
+
+def _fetch(refs: list[Any], deadline: float | None
+           ) -> tuple[list[Any], MissReason | None, str]:
+    """``ray.get`` of the blocks ``refs``; what could not be fetched is ``None``."""
+    import ray
+
+    if not refs:
+        return [], None, ""
+    try:
+        return list(ray.get(refs, timeout=_remaining(deadline))), None, ""
+    except ray.exceptions.GetTimeoutError as e:
+        return [None] * len(refs), MissReason.TIMEOUT, f"{type(e).__name__}: {e}"[:300]
+    except ray.exceptions.RayError as e:
+        # NOTE: usually the tier died and its objects with it (OwnerDiedError); one lost
+        # object must not cost the others, so fetch what is left one by one.
+        detail = f"{type(e).__name__}: {e}"[:300]
+        return [_fetch_one(r, deadline) for r in refs], MissReason.STORAGE_ERROR, detail
+
+
+def _fetch_one(ref: Any, deadline: float | None) -> Any:
+    import ray
+
+    try:
+        return ray.get(ref, timeout=_remaining(deadline))
+    except ray.exceptions.RayError:
+        return None
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
