@@ -138,6 +138,10 @@ class _Mapped(Pending[U]):
 class StorageBackend(ABC):
     """A store of verified page records, keyed by ``(pool, page name)``.
 
+    ``checksums_in_reader``: every payload a get returns was checksummed in the calling
+    process, on the bytes returned (not only where they were stored); readers need not
+    hash them again.
+
     Contract shared by every implementation (``memory``, ``disk``, the sharded client):
 
     - Bad input raises ``ValueError`` naming the field, before anything changes: keys that
@@ -163,6 +167,8 @@ class StorageBackend(ABC):
       counts a hit or a miss for every key, so ``exists`` then ``get`` of the hit prefix
       counts each page once.
     """
+
+    checksums_in_reader = False
 
     algo: str = "xxh3_128"
 

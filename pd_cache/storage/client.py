@@ -81,6 +81,10 @@ class StorageClient(StorageBackend):
     cores this process may use, at most 4; 1 hashes inline).
     """
 
+    # NOTE: every record a shard answers with, lent or sent by value, is verified here
+    # (storage.reader.receive): the bytes this process reads are the bytes hashed.
+    checksums_in_reader = True
+
     def __init__(self, handles: Sequence[Any], *, algo: str = "xxh3_128",
                  timeout_s: float | None = 30.0, layout: KVLayout | None = None,
                  metrics: PDCacheMetrics | None = None,
@@ -193,9 +197,6 @@ class StorageClient(StorageBackend):
                     ) -> tuple[list[list[Any]], ShardFault | None]:
             out, fault = [], None
             for (j, pos), shared in zip(plan[shard], answer):
-                if not shared.lent:  # records the shard verified itself
-                    out.append(shared.pages)
-                    continue
                 got = receive(shared, [batches[j].keys[i] for i in pos],
                               [batches[j].priors[i] for i in pos],
                               self.layout or shared.layout, self.algo, deadline, rid,

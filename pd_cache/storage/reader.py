@@ -1,4 +1,4 @@
-"""The reader's side of lent records: fetch a tier's blocks, verify what was asked for.
+"""The reader's side of a tier's answer: fetch lent blocks, verify every record asked for.
 
 A ``memory`` tier answers a get with refs to blocks (one object-store object per write
 batch, see ``pd_cache.storage.shared``) and, per key, where its record is in them. The
@@ -76,13 +76,19 @@ class Received(NamedTuple):
 def receive(shared: SharedPages, keys: Sequence[bytes], priors: Sequence[bytes | None],
             layout: KVLayout, algo: str, deadline: float | None,
             request_id: str | None = None, hash_all: Checksummer | None = None) -> Received:
-    """Fetch the lent blocks of ``keys`` in one call (zero-copy on one node) and verify
-    each record asked for (checksums through ``hash_all``; inline when ``None``)."""
-    blocks, reason, detail = _fetch(shared.blocks, deadline)
+    """Fetch the lent blocks of ``keys`` in one call (zero-copy on one node), or take the
+    records sent by value, and verify each record asked for, here, on the bytes received
+    (checksums through ``hash_all``; inline when ``None``)."""
     pages: list[PageRecord | None] = []
     problems: dict[int, str] = {}
-    lost = 0
-    for k, at in enumerate(shared.pages):
+    lost, reason, detail = 0, None, ""
+    if not shared.lent:
+        pages = [p if p is None or isinstance(p, PageRecord) else None for p in shared.pages]
+        problems = {k: "not a record" for k, p in enumerate(shared.pages)
+                    if p is not None and pages[k] is None}
+    else:
+        blocks, reason, detail = _fetch(shared.blocks, deadline)
+    for k, at in enumerate(shared.pages if shared.lent else ()):
         block = None if at is None else blocks[at[0]]
         lost += at is not None and block is None
         pages.append(None if block is None else _pick(block, at[1]))

@@ -195,7 +195,7 @@ def payload_problem(record: PageRecord) -> str | None:
 
 def verify(record: PageRecord, layout: KVLayout, algo: str, *, name: bytes,
            prior: bytes | None = None, pool: str | None = None,
-           tokens: Any = None) -> str | None:
+           tokens: Any = None, checksums_done: bool = False) -> str | None:
     """Why ``record`` is not the page ``name`` of ``layout`` (``None`` when it is).
 
     Checks, cheapest first: version, fingerprint, algo, name, expected ``prior`` (when
@@ -203,12 +203,16 @@ def verify(record: PageRecord, layout: KVLayout, algo: str, *, name: bytes,
     pool) against the layout, payloads against
     the header, with ``tokens`` (the reader's own page) ``name == H(prior || tokens)``,
     then every payload checksum. Without ``tokens`` (a tier: it has none) the name is
-    only compared with the one asked for.
+    only compared with the one asked for. ``checksums_done``: the record comes from a
+    ``StorageBackend`` get, whose contract is that every payload checksum was verified on
+    the way; everything else is checked again, the checksums are not.
     """
     problem = _cheap_problem(record, layout, algo, name, prior, pool)
     if problem is None and tokens is not None:
         problem = tokens_problem(record.header, layout, tokens)
-    return problem or _checksum_problems([record], [None], checksums)[0]
+    if problem or checksums_done:
+        return problem
+    return _checksum_problems([record], [None], checksums)[0]
 
 
 Checksums = Callable[[list[torch.Tensor]], list[int]]

@@ -65,7 +65,7 @@ class StorageTier:
         """``batch_get_v2`` for the client: lent refs if the backend lends, else records."""
         if isinstance(self.backend, SharedMemoryBackend):
             return self.backend.batch_lend_v2(transfers, extra_info)
-        return [SharedPages(t.pool, list(t.pages or []))
+        return [SharedPages(t.pool, list(t.pages or []), layout=self.backend.layout)
                 for t in self.backend.batch_get_v2(transfers, extra_info)]
 
     def discard_v2(self, pool: str, keys: Sequence[bytes]) -> int:

@@ -248,8 +248,13 @@ class Prefetcher:
             log.error("request %s: L3 record %s was produced in another namespace; refused",
                       req.rid, name.hex())
             return MissReason.CROSS_NAMESPACE
+        # NOTE: a backend that checksums the bytes in this very process as it receives them
+        # (the sharded client, on the mapped records) has done what a second pass here
+        # would: that pass is skipped. Any other backend's records are checksummed again
+        # here, end to end. What only this reader can check, the page's tokens, always is.
         problem = verify(record, self.link.layout, self.link.algo, name=name, prior=prior,
-                         pool=pool, tokens=tokens)
+                         pool=pool, tokens=tokens,
+                         checksums_done=self.link.storage.checksums_in_reader)
         if problem:
             log.warning("request %s: L3 %s record %s does not verify: %s", req.rid, pool,
                         name.hex(), problem)

@@ -64,3 +64,16 @@ def test_receive_verifies_each_page_and_names_the_bad_ones(
     assert [p is not None for p in got.pages] == [False, True, False, False, True, False]
     assert got.pages[1] is recs[0] and got.pages[4] is recs[3]
     assert got.bad == [recs[1].name, recs[2].name] and got.lost == 1
+
+
+def test_records_sent_by_value_are_verified_here_too() -> None:
+    """A disk shard sends records by value: the reader checksums the bytes it received,
+    so a record damaged after the shard verified it is a miss, never served."""
+    layout = layout_for()
+    recs = [page(layout, seed=i) for i in range(3)]
+    shared = SharedPages("kv", [recs[0], damaged(recs[1]), None, "junk"], layout=layout)
+    keys = [recs[0].name, recs[1].name, recs[2].name, recs[2].name]
+    got = receive(shared, keys, [r.header.prior for r in recs] + [None], layout, "xxh3_128",
+                  deadline=None)
+    assert got.pages == [recs[0], None, None, None]
+    assert got.bad == [recs[1].name, recs[2].name] and got.lost == 0 and got.reason is None
