@@ -54,8 +54,9 @@ class CacheKey(NamedTuple):
                     algo: str = "xxh3_128") -> CacheKey:
         """The key of ``tokens`` (default: the prompt) in ``req``'s own namespace."""
         tokens = req.input_ids if tokens is None else tokens
-        names = compute_prefix_hash(req, tokens, page_size=page_size, algo=algo)
-        return cls(req.namespace, tuple(token_buffer(tokens).tolist()), tuple(names), page_size)
+        buf = token_buffer(tokens)   # NOTE: converted and checked once, hashed from there
+        names = compute_prefix_hash(req, buf, page_size=page_size, algo=algo)
+        return cls(req.namespace, tuple(buf.tolist()), tuple(names), page_size)
 
     @classmethod
     def build(cls, tokens: Any, *, page_size: int, extra_key: str | None = None,
@@ -139,17 +140,25 @@ class PrefixCache(ABC):
         """
 
     @abstractmethod
-    def load_back(self, match: MatchResult) -> MatchResult:
+    def load_back(self, match: MatchResult, pages: torch.Tensor | None = None) -> MatchResult:
         """Copy the host-only pages of ``match`` to device, and return the updated match.
 
         Evicts other unlocked device pages as needed; if the device pool cannot make room
         for all, a leading part is loaded and the rest stays on host (still readable).
-        Raises ``ValueError`` if ``match.node`` has been evicted since (a stale match).
+        ``pages`` (optional): the match's pages as ``read_pages`` just returned them (the
+        caller holds a lock since); the device copies are then made from there instead of
+        being read from the host pool again. Raises ``ValueError`` if ``match.node`` has
+        been evicted since (a stale match), or if ``pages`` is not one page per match page.
         """
 
     @abstractmethod
-    def read_pages(self, match: MatchResult) -> torch.Tensor:
-        """A copy of the matched pages, ``[match.num_pages, *page_shape]``, in key order."""
+    def read_pages(self, match: MatchResult, out: torch.Tensor | None = None) -> torch.Tensor:
+        """A copy of the matched pages, ``[match.num_pages, *page_shape]``, in key order.
+
+        ``out`` (optional): a contiguous page tensor of that shape on the device pool's
+        device to copy them into (and return), e.g. the head of a request's page tensor;
+        ``ValueError`` if its shape or dtype is wrong.
+        """
 
     @abstractmethod
     def prefix_of(self, match: MatchResult, num_pages: int) -> MatchResult:

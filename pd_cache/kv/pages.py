@@ -50,14 +50,29 @@ def num_pages_for(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
 
-def kv_to_pages(kv: torch.Tensor, page_size: int) -> torch.Tensor:
-    """Contiguous ``[2, L, T, Hkv, D]`` -> pages ``[ceil(T/ps), 2, L, ps, Hkv, D]``, zero-padded."""
+def kv_to_pages(kv: torch.Tensor, page_size: int,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """Contiguous ``[2, L, T, Hkv, D]`` -> pages ``[ceil(T/ps), 2, L, ps, Hkv, D]``, zero-padded.
+
+    ``out`` (optional): a contiguous tensor of that shape and of ``kv``'s dtype to fill, such
+    as the tail of a request's page tensor; filled with one strided copy, no temporary.
+    """
     two, layers, t, heads, dim = kv.shape
-    n = num_pages_for(t, page_size)
-    padded = kv.new_zeros(two, layers, n * page_size, heads, dim)
-    padded[:, :, :t] = kv
-    return padded.view(two, layers, n, page_size, heads, dim).permute(2, 0, 1, 3, 4, 5) \
-        .contiguous()
+    n, full = num_pages_for(t, page_size), t // page_size
+    shape = (n, two, layers, page_size, heads, dim)
+    if out is None:
+        out = kv.new_empty(shape)
+    elif tuple(out.shape) != shape or out.dtype != kv.dtype or not out.is_contiguous():
+        raise ValueError(f"kv_to_pages: out: expected a contiguous {kv.dtype} tensor "
+                         f"{list(shape)}, got {out.dtype} {list(out.shape)}")
+    # NOTE: the page view of ``out``: [2, L, n, ps, Hkv, D], token t at [:, :, t // ps, t % ps]
+    view = out.permute(1, 2, 0, 3, 4, 5)
+    view[:, :, :full].copy_(kv[:, :, :full * page_size].unflatten(2, (full, page_size)))
+    if full < n:
+        rest = t - full * page_size
+        view[:, :, full, :rest].copy_(kv[:, :, full * page_size:])
+        view[:, :, full, rest:].zero_()
+    return out
 
 
 def pages_to_kv(pages: torch.Tensor, num_tokens: int, layout: KVLayout) -> torch.Tensor:

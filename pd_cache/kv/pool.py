@@ -56,9 +56,14 @@ class SlotPool:
     def close(self) -> None:
         self.allocator.close()
 
-    def read(self, slots: Sequence[int]) -> torch.Tensor:
-        """A copy of what ``slots`` hold, ``[len(slots), *shape]``."""
-        return self.data[_index(slots, self.device)]
+    def read(self, slots: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        """A copy of what ``slots`` hold, ``[len(slots), *shape]``; into ``out`` (a
+        contiguous tensor of that shape and dtype on this pool's device) when given."""
+        # NOTE: index_select, not ``data[index]``: advanced indexing is ~5x slower on CPU.
+        index = _index(slots, self.device)
+        if out is None:
+            return self.data.index_select(0, index)
+        return torch.index_select(self.data, 0, index, out=out)
 
 
 class PagePool(SlotPool):
@@ -73,7 +78,8 @@ class PagePool(SlotPool):
         """Store ``pages`` ``[len(slots), *page_shape]`` into ``slots``."""
         check_pages(pages, self.layout, field=f"{self.name}.write: pages", num_pages=len(slots))
         if slots:
-            self.data[_index(slots, self.device)] = pages.to(self.device, non_blocking=True)
+            self.data.index_copy_(0, _index(slots, self.device),
+                                  pages.to(self.device, non_blocking=True))
 
     def copy_to(self, dst: PagePool, src_slots: Sequence[int], dst_slots: Sequence[int]) -> None:
         """Copy pages ``src_slots`` of this pool into ``dst_slots`` of ``dst``."""
@@ -81,7 +87,8 @@ class PagePool(SlotPool):
             raise ValueError(f"{self.name}.copy_to: {len(src_slots)} source slots but "
                              f"{len(dst_slots)} destination slots")
         if src_slots:
-            dst.data[_index(dst_slots, dst.device)] = self.read(src_slots).to(dst.device)
+            dst.data.index_copy_(0, _index(dst_slots, dst.device),
+                                 self.read(src_slots).to(dst.device))
 
 
 def _index(slots: Sequence[int], device: torch.device) -> torch.Tensor:

@@ -75,12 +75,7 @@ class RadixCache(Evicting, PrefixCache):
     def match_prefix(self, key: CacheKey, max_pages: int | None = None) -> MatchResult:
         self._check_key(key)
         limit = key.num_pages if max_pages is None else max(0, min(max_pages, key.num_pages))
-        node = self.root
-        for i in range(limit):
-            child = node.children.get(key.names[i])
-            if child is None or child.tokens != key.page_tokens(i):
-                break
-            node = child
+        node, _ = self._walk(key, limit)
         self._touch(node)
         match = self._result(key, node)
         for tier in (Tier.DEVICE, Tier.HOST):
@@ -88,26 +83,42 @@ class RadixCache(Evicting, PrefixCache):
                 self.stats.count(Event.HIT, tier.value, match.count(tier))
         return match
 
-    def load_back(self, match: MatchResult) -> MatchResult:
+    def load_back(self, match: MatchResult, pages: torch.Tensor | None = None) -> MatchResult:
         self._check_live(match.node)
-        missing = [n for n in match.node.path() if n.device_slot is None]
+        missing = self._host_only(match.node)
+        if pages is not None:
+            check_pages(pages, self.layout, field="load_back: pages",
+                        num_pages=match.node.depth)
         if missing:
+            # NOTE: host-only nodes are a suffix of the path (prefix-closed residency).
+            src = None if pages is None else pages[match.node.depth - len(missing):]
             self.lock(match.node)
             try:
-                self._load(missing, self._reserve(self.device, len(missing)))
+                self._load(missing, self._reserve(self.device, len(missing)), src)
             finally:
                 self.unlock(match.node)
         return self._result(match.key, match.node)
 
-    def read_pages(self, match: MatchResult) -> torch.Tensor:
+    def read_pages(self, match: MatchResult, out: torch.Tensor | None = None) -> torch.Tensor:
         # NOTE: slots are read from the tree now, not from ``match``: a load-back or an
         # eviction since the match may have moved pages between tiers.
-        pages = self.refresh(match).pages
-        on_device = [p.slot for p in pages if p.tier == Tier.DEVICE]
-        on_host = [p.slot for p in pages if p.tier == Tier.HOST]
+        self._check_live(match.node)
+        path = match.node.path()
+        on_device = [n.device_slot for n in path if n.device_slot is not None]
+        on_host = [n.host_slot for n in path if n.device_slot is None]
+        if out is None:
+            out = self.device.data.new_empty((len(path), *self.layout.page_shape))
+        else:
+            check_pages(out, self.layout, field="read_pages: out", num_pages=len(path))
         # NOTE: prefix-closed device residency puts every device page before any host one.
-        parts = [self.device.read(on_device), self.host.read(on_host).to(self.device.device)]
-        return torch.cat(parts)
+        # Each pool gathers straight into its rows of ``out``: one copy per page.
+        d = len(on_device)
+        self.device.read(on_device, out=out[:d])
+        if on_host and out.device == self.host.device:
+            self.host.read(on_host, out=out[d:])
+        elif on_host:
+            out[d:].copy_(self.host.read(on_host))
+        return out
 
     def refresh(self, match: MatchResult) -> MatchResult:
         """``match`` as the tree holds it now (pages may have moved tier); no LRU touch."""
@@ -115,9 +126,10 @@ class RadixCache(Evicting, PrefixCache):
         return self._result(match.key, match.node)
 
     def _result(self, key: CacheKey, node: Node) -> MatchResult:
-        pages = tuple(HitPage(n.name, Tier.DEVICE, n.device_slot, n.seed)
-                      if n.device_slot is not None
-                      else HitPage(n.name, Tier.HOST, n.host_slot, n.seed) for n in node.path())
+        device, host = Tier.DEVICE, Tier.HOST
+        pages = tuple([HitPage(n.name, device, n.device_slot, n.seed)
+                       if n.device_slot is not None
+                       else HitPage(n.name, host, n.host_slot, n.seed) for n in node.path()])
         return MatchResult(pages, node, key)
 
     def resume_pages(self, match: MatchResult) -> int:
@@ -157,7 +169,7 @@ class RadixCache(Evicting, PrefixCache):
         node, done = self._walk(key)
         self.lock(node)
         try:
-            missing = [n for n in node.path() if n.device_slot is None]
+            missing = self._host_only(node)
             slots = self._reserve(self.device, len(missing) + key.num_pages - done)
             self._load(missing, slots[:len(missing)])
             if len(slots) < len(missing):
@@ -184,15 +196,19 @@ class RadixCache(Evicting, PrefixCache):
         for i, slot in zip(free, slots, strict=True):
             path[i].state_slot = slot
 
-    def _walk(self, key: CacheKey) -> tuple[Node, int]:
-        """The deepest cached node of ``key`` and how many pages it covers."""
-        node = self.root
-        for i in range(key.num_pages):
-            child = node.children.get(key.names[i])
-            if child is None or child.tokens != key.page_tokens(i):
+    def _walk(self, key: CacheKey, limit: int | None = None) -> tuple[Node, int]:
+        """The deepest cached node of ``key``'s first ``limit`` pages (default: all) and
+        how many pages it covers."""
+        node, names, tokens, ps = self.root, key.names, key.tokens, self.page_size
+        limit = key.num_pages if limit is None else limit
+        for i in range(limit):
+            child = node.children.get(names[i])
+            # NOTE: the page's tokens guard against a name collision (inlined page_tokens:
+            # this loop runs once per cached page of every request).
+            if child is None or child.tokens != tokens[i * ps:(i + 1) * ps]:
                 return node, i
             node = child
-        return node, key.num_pages
+        return node, limit
 
     def _add_pages(self, node: Node, key: CacheKey, start: int, pages: torch.Tensor,
                    slots: list[int], seed: bytes) -> list[Node]:
@@ -225,10 +241,22 @@ class RadixCache(Evicting, PrefixCache):
         parent.children[child.name] = child
         return child
 
-    def _load(self, nodes: list[Node], slots: list[int]) -> None:
-        """Copy the first ``len(slots)`` of ``nodes`` from host to those device slots."""
+    def _host_only(self, node: Node) -> list[Node]:
+        """The nodes of ``node``'s path that have no device slot, root side first."""
+        # NOTE: device residency is prefix-closed: a node on device has its whole path there.
+        if node.device_slot is not None:
+            return []
+        return [n for n in node.path() if n.device_slot is None]
+
+    def _load(self, nodes: list[Node], slots: list[int],
+              pages: torch.Tensor | None = None) -> None:
+        """Copy the first ``len(slots)`` of ``nodes`` from host (or from ``pages``, a copy
+        of theirs in the same order) to those device slots."""
         nodes = nodes[:len(slots)]
-        self.host.copy_to(self.device, [n.host_slot for n in nodes], slots)
+        if pages is None:
+            self.host.copy_to(self.device, [n.host_slot for n in nodes], slots)
+        else:
+            self.device.write(slots, pages[:len(slots)])
         for n, s in zip(nodes, slots, strict=True):
             n.device_slot = s
 

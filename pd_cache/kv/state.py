@@ -61,4 +61,4 @@ class StatePool(SlotPool):
         check_states(states, self.layout, field="state.write: states", num=len(slots))
         if slots:
             index = torch.as_tensor(list(slots), dtype=torch.long, device=self.device)
-            self.data[index] = states.to(self.device)
+            self.data.index_copy_(0, index, states.to(self.device))

@@ -44,7 +44,7 @@ from pd_cache.tiering.offload import DecodeOffloadManager
 from pd_cache.worker.decoding import Decoding
 from pd_cache.worker.digest import model_layout
 from pd_cache.worker.hf_model import build_model
-from pd_cache.worker.model import check_pages, kv_to_pages, pages_to_kv, sample
+from pd_cache.worker.model import check_pages, kv_to_pages, num_pages_for, pages_to_kv, sample
 from pd_cache.worker.outputs import PrefillOutput, PromptState, Result, StoredPages
 
 log = logging.getLogger(__name__)
@@ -143,16 +143,20 @@ class LocalEngine(Decoding):
                              f"{len(wanted)} names")
         if not stored.pages.shape[0]:   # a hybrid local hit ends at its last state
             match = self.cache.prefix_of(match, self.cache.resume_pages(match))
-        # NOTE: ``match`` keeps the tiers the pages were found in; load-back moves them.
-        prefix = self.cache.read_pages(self.cache.load_back(match))
         known = self._resumed_states(match, stored)
-        prefix = torch.cat([prefix, stored.pages.to(prefix.device)])
-        done = prefix.shape[0]
+        local, done = match.num_pages, match.num_pages + stored.pages.shape[0]
         num_cached = done * self.page_size
-        prefix_kv = pages_to_kv(prefix, num_cached, self.layout)
+        # NOTE: one page tensor for the whole prompt, filled in place: cached pages gathered
+        # from their slots (host pages loaded back to device from there), then L3's, then
+        # the computed ones. ``match`` keeps the tiers the pages were found in.
+        pages = self.device_pool.data.new_empty(
+            (num_pages_for(len(req.input_ids), self.page_size), *self.layout.page_shape))
+        self.cache.load_back(match, self.cache.read_pages(match, out=pages[:local]))
+        pages[local:done].copy_(stored.pages)
+        prefix_kv = pages_to_kv(pages[:done], num_cached, self.layout)
         out = self.model(req.input_ids[num_cached:], prefix_kv, state=known.get(done - 1),
                          state_at=self._state_at(done, key.num_pages))
-        pages = kv_to_pages(torch.cat([prefix_kv, out.kv], dim=2), self.page_size)
+        kv_to_pages(out.kv, self.page_size, out=pages[done:])
         kept = {} if out.states is None else dict(zip(
             checkpoints(done, key.num_pages - 1, self.state_every), out.states))
         self.cache.insert(key, pages, seed, {**known, **kept})

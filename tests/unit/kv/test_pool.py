@@ -107,6 +107,9 @@ def test_pool_write_read_and_copy_between_tiers() -> None:
     read = dev.read(d)
     read.zero_()                       # a read is a copy: the pool is unchanged
     assert torch.equal(dev.read(d), pages)
+    out = torch.zeros(3, *LAYOUT.page_shape)
+    assert dev.read(d[::-1], out=out[1:]).data_ptr() == out[1:].data_ptr()
+    assert torch.equal(out[1:], pages.flip(0)) and not out[0].any()
     dev.free(d, "r1")
     host.free(h, "r1")
     dev.close()

@@ -124,6 +124,44 @@ def test_write_back_copies_only_at_device_eviction() -> None:
     drain(cache)
 
 
+def test_read_pages_into_out_gathers_both_tiers_in_key_order() -> None:
+    cache = make_cache(policy="write_back")
+    k = key(list(range(8)))
+    cache.insert(k, page_data(k))
+    cache.evict(Tier.DEVICE, 2)                             # pages 2, 3 go to host
+    m = cache.match_prefix(k)
+    assert tiers(m) == ["device", "device", "host", "host"]
+    buf = torch.full((6, *LAYOUT.page_shape), -1.0)
+    got = cache.read_pages(m, out=buf[1:5])
+    assert got.data_ptr() == buf[1:5].data_ptr()            # filled in place, no temporary
+    assert torch.equal(buf[1:5], page_data(k))
+    assert bool((buf[0] == -1).all()) and bool((buf[5] == -1).all())
+    buf.zero_()                                             # a copy: the pools are unchanged
+    assert torch.equal(cache.read_pages(m), page_data(k))
+    with pytest.raises(ValueError, match="read_pages: out: expected 4 pages, got 3"):
+        cache.read_pages(m, out=buf[:3])
+    with pytest.raises(ValueError, match="read_pages: out: expected dtype torch.float32"):
+        cache.read_pages(m, out=buf[:4].to(torch.bfloat16))
+    cache.check_invariants()
+    drain(cache)
+
+
+def test_load_back_from_pages_already_read() -> None:
+    cache = make_cache(policy="write_back")
+    k = key(list(range(8)))
+    cache.insert(k, page_data(k))
+    cache.evict(Tier.DEVICE, 3)                             # pages 1..3 go to host
+    m = cache.match_prefix(k)
+    read = cache.read_pages(m)
+    with pytest.raises(ValueError, match="load_back: pages: expected 4 pages, got 3"):
+        cache.load_back(m, read[:3])
+    loaded = cache.load_back(m, read)
+    assert tiers(loaded) == ["device"] * 4
+    assert torch.equal(cache.device.read([p.slot for p in loaded.pages]), page_data(k))
+    cache.check_invariants()
+    drain(cache)
+
+
 def test_device_eviction_drops_pages_when_the_host_has_no_room() -> None:
     cache = make_cache(host=0, policy="write_back")
     k = key(list(range(8)))
@@ -298,14 +336,17 @@ class RadixMachine(RuleBasedStateMachine):
         ns, tokens = known
         self.match(ns, tokens[:cut] + tail, load, lock)
 
-    @rule(ns=NAMESPACES, tokens=TOKENS, load=st.booleans(), lock=st.booleans())
-    def match(self, ns: str | None, tokens: list[int], load: bool, lock: bool) -> None:
+    @rule(ns=NAMESPACES, tokens=TOKENS, load=st.sampled_from(["no", "yes", "from_read"]),
+          lock=st.booleans())
+    def match(self, ns: str | None, tokens: list[int], load: bool | str, lock: bool) -> None:
         k = key(tokens, ns)
         m = self.cache.match_prefix(k)
         for i in range(m.num_pages):
             assert (ns, tuple(tokens[:(i + 1) * PS])) in self.inserted
-        if load:
+        if load in (True, "yes"):
             m = self.cache.load_back(m)
+        elif load == "from_read":     # as the engine does: read, then load back from that
+            m = self.cache.load_back(m, self.cache.read_pages(m))
         assert torch.equal(self.cache.read_pages(m), page_data(k)[:m.num_pages])
         if lock:
             self.cache.lock(m.node)
