@@ -24,6 +24,7 @@ from torch import nn
 
 from pd_cache.core.config import ModelConfig
 from pd_cache.core.pretrained import checkpoint_digest, weight_files
+from pd_cache.worker.layers import attend_step
 from pd_cache.worker.model import Model, RMSNorm, Rotary, kv_torch_dtype
 
 LLAMA = "LlamaForCausalLM"
@@ -127,17 +128,10 @@ class HFAttention(nn.Module):
     def step(self, x: torch.Tensor, bufs: Sequence[torch.Tensor], layer: int,
              positions: list[int], pos: torch.Tensor) -> torch.Tensor:
         """One token per sequence (see ``Attention.step``): writes each new KV in place."""
-        b, g = x.shape[0], self.num_heads // self.num_kv_heads
         q, k, v = self._qkv(x)
         q, k = self.rotary.at(q, pos), self.rotary.at(k, pos)
         new = torch.stack([k, v], dim=1).to(self.kv_dtype)   # [B, 2, Hkv, D]
-        outs = []
-        for i, (buf, p) in enumerate(zip(bufs, positions, strict=True)):
-            buf[:, layer, p] = new[i]
-            kv = buf[:, layer, :p + 1].float().transpose(1, 2)   # [2, Hkv, P + 1, D]
-            outs.append(F.scaled_dot_product_attention(
-                q[i].view(1, self.num_kv_heads, g, self.head_dim), kv[0:1], kv[1:2]))
-        return self.o_proj(torch.cat(outs).reshape(b, -1))
+        return self.o_proj(attend_step(q, new, bufs, layer, positions))
 
 
 class HFBlock(nn.Module):

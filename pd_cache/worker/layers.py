@@ -103,21 +103,12 @@ class Attention(nn.Module):
         """One new token per sequence: ``x`` ``[B, hidden]``; row ``b`` is at position
         ``positions[b]`` of ``bufs[b]`` ``[2, L, >P, Hkv, D]``, whose KV it writes there and
         then attends over (keys ``0 .. positions[b]``)."""
-        b, g = x.shape[0], self.num_heads // self.num_kv_heads
+        b = x.shape[0]
         q = self.rotary.at(F.linear(x, self.wq).view(b, self.num_heads, self.head_dim), pos)
         k = self.rotary.at(F.linear(x, self.wk).view(b, self.num_kv_heads, self.head_dim), pos)
         v = F.linear(x, self.wv).view(b, self.num_kv_heads, self.head_dim)
         new = torch.stack([k, v], dim=1).to(self.kv_dtype)   # [B, 2, Hkv, D]
-        outs = []
-        for i, (buf, p) in enumerate(zip(bufs, positions, strict=True)):
-            buf[:, layer, p] = new[i]
-            kv = buf[:, layer, :p + 1].float().transpose(1, 2)   # [2, Hkv, P + 1, D]
-            # NOTE: one query token: the g query heads of a KV group are folded into the
-            # query rows of that group (``[1, Hkv, g, D]``), so no mask and no GQA expansion.
-            outs.append(F.scaled_dot_product_attention(
-                q[i].view(1, self.num_kv_heads, g, self.head_dim), kv[0:1], kv[1:2]))
-        out = torch.cat(outs).reshape(b, -1)
-        return F.linear(out, self.wo)
+        return F.linear(attend_step(q, new, bufs, layer, positions), self.wo)
 
 
 def _causal_mask(t: int, start: int) -> torch.Tensor | None:
@@ -162,3 +153,21 @@ class Recurrence(nn.Module):
 
     def _out(self, x: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
         return F.linear(states * F.silu(F.linear(x, self.w_g)), self.w_o)
+
+
+def attend_step(q: torch.Tensor, new: torch.Tensor, bufs: Sequence[torch.Tensor], layer: int,
+                positions: list[int]) -> torch.Tensor:
+    """One decode step of attention for ``B`` sequences, each over its own buffer: writes
+    row ``b``'s new K and V (``new[b]`` ``[2, Hkv, D]``) at ``positions[b]`` of ``bufs[b]``
+    and attends query ``q[b]`` ``[H, D]`` over keys ``0 .. positions[b]``; ``[B, H * D]``."""
+    num_kv_heads, head_dim = new.shape[2], new.shape[3]
+    g = q.shape[1] // num_kv_heads
+    outs = []
+    for i, (buf, p) in enumerate(zip(bufs, positions, strict=True)):
+        buf[:, layer, p] = new[i]
+        kv = buf[:, layer, :p + 1].float().transpose(1, 2)   # [2, Hkv, P + 1, D]
+        # NOTE: one query token: the g query heads of a KV group are folded into the
+        # query rows of that group (``[1, Hkv, g, D]``), so no mask and no GQA expansion.
+        outs.append(F.scaled_dot_product_attention(
+            q[i].view(1, num_kv_heads, g, head_dim), kv[0:1], kv[1:2]))
+    return torch.cat(outs).reshape(q.shape[0], -1)
