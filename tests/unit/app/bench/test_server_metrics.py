@@ -192,9 +192,10 @@ def test_wait_for_export_with_a_predicate_and_on_timeout():
         got = wait_for_export(pages.url, predicate=lambda c: c.get(HOST, 0) >= 60,
                               interval_s=0.01, timeout_s=10)
         assert pages.served == 2 and got[HOST] == 60.0
-    with _Pages(texts) as pages:
+    # a predicate never met: on timeout the counters come back as they are, no error
+    with _Pages([ray_text(host_1=20)]) as pages:
         got = wait_for_export(pages.url, predicate=lambda c: False, interval_s=0.05,
                               timeout_s=0.3)
-        assert 1 < pages.served <= 7 and got[HOST] == 70.0   # the last page, as it is
+        assert pages.served >= 1 and got[HOST] == 70.0
     with pytest.raises(ValueError, match="interval_s"):
         wait_for_export("http://127.0.0.1:1/metrics", interval_s=0)
