@@ -11,10 +11,12 @@ said.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -151,3 +153,53 @@ def test_the_command_compares_cache_on_and_off_on_the_same_arrivals(tmp_path: Pa
         assert (out / f"cache-{mode}-rate20" / "ttft_cdf.png").stat().st_size > 0
     assert (out / "sweep.png").stat().st_size > 0
     assert "answers differ" in done.stdout
+
+
+def test_a_decode_worker_killed_mid_run_costs_no_wrong_answer(ray_cluster: Any) -> None:
+    """kill -9 of a decode worker while the bench streams: every answer that completes is
+    the model's own, a request that loses its stream is recorded with its error (and the
+    turns that carry its answer as DependencyFailed), and the cluster serves again."""
+    import signal
+
+    from pd_cache.app.bench.runner import run_open_loop
+
+    workload = chat(seed=21, tenants=2)
+    cluster = PDCluster.start(dataclasses.replace(CONFIG, num_decode=2))
+    try:
+        victim = ray.get(cluster.decode[0].pid.remote())
+        killed: list[int] = []
+        done: list[Any] = []
+
+        def kill_after_three(record: Any) -> None:   # mid-run: 3 answered, the rest in flight
+            done.append(record)
+            if len(done) == 3:
+                os.kill(victim, signal.SIGKILL)
+                killed.append(victim)
+        run = asyncio.run(run_open_loop(LocalTarget(cluster), workload.requests,
+                                        [0.02 * i for i in range(len(workload.requests))],
+                                        on_done=kill_after_three))
+        assert killed == [victim]
+        ok = [r for r in run.records if r.ok]
+        failed = [r for r in run.records if not r.ok]
+        assert len(ok) >= len(workload.requests) // 2, [r.error for r in failed]
+        assert {r.error_type for r in failed} <= {"WorkerDied", "DependencyFailed"}, \
+            [r.error for r in failed]
+        model = Model(CONFIG.pd_config.model)
+        for rec in ok:   # every answer that came back is the model's own
+            spec = workload.requests[rec.index]
+            want = reference_generate(model, Req(rid="ref", input_ids=run.prompts[rec.index],
+                                                 max_new_tokens=spec.max_tokens)).output_ids
+            assert run.answers[rec.index] == want, rec.index
+        # The worker comes back (its actor restarts) and the cluster serves on both.
+        deadline = time.monotonic() + 45
+        while asyncio.run(cluster.health())["live"]["decode"] != [0, 1]:
+            assert time.monotonic() < deadline, "the killed decode worker never came back"
+            time.sleep(0.5)
+        assert ray.get(cluster.decode[0].pid.remote()) != victim
+        for worker in (0, 1):
+            req = Req(rid=f"after-kill-{worker}", input_ids=list(range(40)), max_new_tokens=4)
+            assert cluster.generate(req, decode_worker=worker).output_ids == \
+                reference_generate(model, Req(rid="ref", input_ids=list(range(40)),
+                                              max_new_tokens=4)).output_ids
+    finally:
+        cluster.shutdown(check=False)
