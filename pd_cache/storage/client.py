@@ -44,7 +44,7 @@ from pd_cache.storage.base import (
     Usage,
 )
 from pd_cache.storage.batch import Batch, check_batch, usable_hits
-from pd_cache.storage.reader import Checksummer, Received, receive
+from pd_cache.storage.reader import Checksummer, Received, receive, remaining
 
 if TYPE_CHECKING:
     from pd_cache.core.config import KVLayout
@@ -314,15 +314,15 @@ class _FanOut(Pending[T], Generic[T]):
         import ray
 
         deadline = None if timeout is None else time.monotonic() + timeout
-        refs = list(self._refs.values())
-        ready = set(ray.wait(refs, num_returns=len(refs), timeout=timeout)[0]) if refs else set()
         answers = {}
+        # NOTE: one ray.get per shard with what is left of the deadline (not a ray.wait for
+        # all first, then the gets): the same bound on the whole call, one round trip less.
         for shard, ref in self._refs.items():
-            if ref not in ready:
+            try:
+                answers[shard] = ray.get(ref, timeout=remaining(deadline))
+            except ray.exceptions.GetTimeoutError:
                 self._fault(shard, MissReason.TIMEOUT, f"no answer within {timeout} s")
                 continue
-            try:
-                answers[shard] = ray.get(ref)
             except ValueError:
                 raise  # bad input is the caller's error, not a cache fault
             except ray.exceptions.RayError as e:

@@ -122,7 +122,7 @@ def _fetch(refs: list[Any], deadline: float | None
     if not refs:
         return [], None, ""
     try:
-        return list(ray.get(refs, timeout=_remaining(deadline))), None, ""
+        return list(ray.get(refs, timeout=remaining(deadline))), None, ""
     except ray.exceptions.GetTimeoutError as e:
         return [None] * len(refs), MissReason.TIMEOUT, f"{type(e).__name__}: {e}"[:300]
     except ray.exceptions.RayError as e:
@@ -136,10 +136,11 @@ def _fetch_one(ref: Any, deadline: float | None) -> Any:
     import ray
 
     try:
-        return ray.get(ref, timeout=_remaining(deadline))
+        return ray.get(ref, timeout=remaining(deadline))
     except ray.exceptions.RayError:
         return None
 
 
-def _remaining(deadline: float | None) -> float | None:
+def remaining(deadline: float | None) -> float | None:
+    """Seconds until ``deadline`` (never negative; ``None``: no deadline)."""
     return None if deadline is None else max(0.0, deadline - time.monotonic())
