@@ -66,11 +66,7 @@ def _comm(proc: Path) -> str:
 
 def cpu_seconds(pids: dict[str, list[int]]) -> dict[str, float]:
     """User + system CPU seconds each role's processes have used so far."""
-    out = {}
-    for role, ids in pids.items():
-        total = sum(_process_cpu(pid) for pid in ids)
-        out[role] = total
-    return out
+    return {role: sum(_process_cpu(pid) for pid in ids) for role, ids in pids.items()}
 
 
 def _process_cpu(pid: int) -> float:

@@ -173,8 +173,8 @@ def run(args: argparse.Namespace) -> int:
     warmup = dataclasses.replace(warm, requests=warm.requests[:args.warmup_requests])
     load = Load(rates=tuple(parse_rates(args.request_rate)), arrival=args.arrival,
                 burstiness=args.burstiness, max_concurrency=args.max_concurrency,
-                duration_s=args.duration, warmup_requests=args.warmup_requests, seed=args.seed)
-    report = Report(output_dir=args.output_dir,
+                duration_s=args.duration, seed=args.seed)
+    report = Report(output_dir=args.output_dir, per_run_dirs=args.compare_no_cache,
                     slo=SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2el_ms),
                     page_size=args.page_size_hint or args.page_size,
                     lru_capacity_tokens=args.lru_capacity_tokens or
@@ -221,9 +221,8 @@ def run_local(cfg: ClusterConfig, args: argparse.Namespace, workload: Workload,
 def run_http(args: argparse.Namespace, workload: Workload, warmup: Workload, load: Load,
              report: Report) -> list[Server]:
     target = HTTPTarget(args.target, api_keys=args.api_key, model=args.model_name,
-                        drop_route=args.drop_caches_route, admin_key=args.admin_key)
-    if not args.drop_caches:
-        target.drop_caches = _nothing   # type: ignore[method-assign]
+                        drop_route=args.drop_caches_route if args.drop_caches else None,
+                        admin_key=args.admin_key)
     server = Server(target, metrics_url=args.metrics_url, label="server")
 
     async def go() -> list[dict[str, Any]]:
@@ -233,10 +232,6 @@ def run_http(args: argparse.Namespace, workload: Workload, warmup: Workload, loa
             await target.close()
     server.summaries = asyncio.run(go())
     return [server]
-
-
-async def _nothing() -> dict[str, int]:
-    return {}
 
 
 def _local_metrics_url() -> str | None:

@@ -52,16 +52,17 @@ class Load:
     burstiness: float = 1.0
     max_concurrency: int | None = None
     duration_s: float | None = None
-    warmup_requests: int = 0
     seed: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
 class Report:
-    """Where and what to write: ``output_dir``, plots, the SLO of goodput, the page rule
+    """Where and what to write: ``output_dir`` (``per_run_dirs``: each run in a folder of
+    its own there, for a sweep or a comparison), plots, the SLO of goodput, the page rule
     and LRU capacity of the oracle, the progress bar, and the run's own description."""
 
     output_dir: Path
+    per_run_dirs: bool = False
     slo: SLO = SLO()
     page_size: int = 16
     lru_capacity_tokens: int | None = None
@@ -119,7 +120,7 @@ async def bench(server: Server, workload: Workload, warmup: Workload | None, loa
 async def _measure(server: Server, requests: list[Any], arrivals: list[float], rate: float,
                    load: Load, report: Report) -> dict[str, Any]:
     label = "on" if server.label is True else "off" if server.label is False else server.label
-    many = len(load.rates) > 1 or report.config.get("compare_no_cache")
+    many = len(load.rates) > 1 or report.per_run_dirs
     out_dir = report.output_dir / f"cache-{label}-rate{_rate_text(rate)}" if many \
         else report.output_dir
     # NOTE: settled first, so the warm-up's and the previous run's last counts are not

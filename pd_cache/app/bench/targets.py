@@ -92,7 +92,7 @@ class HTTPTarget:
     """
 
     def __init__(self, url: str, *, api_keys: Sequence[str] = (), model: str | None = None,
-                 timeout_s: float = 600.0, drop_route: str = DROP_ROUTE,
+                 timeout_s: float = 600.0, drop_route: str | None = DROP_ROUTE,
                  admin_key: str | None = None) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"target: expected 'local' or an http(s) URL, got {url!r}")
@@ -162,7 +162,9 @@ class HTTPTarget:
 
     async def drop_caches(self) -> dict[str, int]:
         """``POST {url}{drop_route}`` (pd-cache: ``/admin/drop_caches`` with an admin key;
-        vLLM: ``/reset_prefix_cache``; SGLang: ``/flush_cache``)."""
+        vLLM: ``/reset_prefix_cache``; SGLang: ``/flush_cache``); with no route, nothing."""
+        if self.drop_route is None:
+            return {}
         http = await self._http()
         headers = {"Authorization": f"Bearer {self.admin_key}"} if self.admin_key \
             else self._headers()
