@@ -17,7 +17,13 @@
               cache controller prefetches); reported beside, not used for the target
   get by value     (1 shard) the previous path: StorageTier.batch_get_v2 verifies in the
               actor and returns the records by value (one copy through the object store)
-through 1 and 2 tier actors (memory backend), plus batch_exists latency for 1,024
+through 1 and 2 tier actors (memory backend), in batches of ``storage.batch_pages`` pages a
+call (128 by default: what prefetch and the write path issue; 128 MiB is then one call of 64
+pages, a 1,024-token prompt of this model), and once more through 1 actor in 16-page batches
+(``get_vs_memcpy_small_batches``: 4 calls, where Ray's cost per call shows; the median round
+trip of a call that does nothing, ``call_floor_ms``, is measured beside). The pages read are
+fresh in every repetition: the reader maps object-store memory it has not touched before.
+Plus batch_exists latency for 1,024
 stored keys (small pages) and a transport check: the same 128 MiB returned by an actor
 as bare tensors with and without RAY_ENABLE_ZERO_COPY_TORCH_TENSORS, as PageRecords by
 value, and as refs to PageRecords the actor put once (fetched, not verified).
@@ -26,7 +32,8 @@ Hybrid row (1 tier actor): the same bytes of a hybrid layout (the 8B-class model
 other layer a gated linear recurrence: half the KV per page, plus a float32 recurrent
 state [16, 4096] kept every 4th page). A write is v2 ``batch_set`` calls whose batches end
 at those checkpoints (KV + the trailing ``state``), a read the same with ``batch_get``;
-beside it, in the same run and on the same stored pages, the KV-only read (v1 batches).
+beside it, in the same run and on the same stored pages, the KV-only read (v1 batches of
+the small-batch size, as the transport check).
 
 Capacity pressure (in-process memory backend, no Ray): 32 prompts of 8-16 pages that
 share nothing, room for 40% of their pages, under two eviction orders side by side: the
@@ -37,7 +44,7 @@ writes every prompt once, then asks each for its hit; ``serving`` replays 256 re
 ``useful_hit_rate`` = pages usable as a consecutive hit from a prompt's first page / pages
 stored.
 
-    python benchmarks/bench_storage.py [--repeats R] [--batch-pages B]
+    python benchmarks/bench_storage.py [--repeats R] [--batch-pages B] [--small-batch-pages S]
 
 Starts its own local Ray cluster (authentication off, no dashboard) and shuts it down.
 """
@@ -140,9 +147,20 @@ def bench_shards(num_shards: int, payloads: list[torch.Tensor], pool: torch.Tens
                 for k, t in run.items():
                     times[k].append(t)
         check_round_trip(client, records)
+        floor = call_floor_ms(handles[0])
     finally:
         kill_all(handles)
-    return rates(times)
+    return {**rates(times), "call_floor_ms": floor}
+
+
+def call_floor_ms(handle: Any, calls: int = 50) -> float:
+    """Median round trip of a call to a tier actor that does nothing (``ping``): Ray's own
+    cost of one call on this machine, which every get pays once per shard and batch."""
+    import ray
+
+    ray.get(handle.ping.remote())
+    return 1e3 * statistics.median(timed(lambda: ray.get(handle.ping.remote()))
+                                   for _ in range(calls))
 
 
 def set_all(client: StorageClient, batches: list[list[PageRecord]]) -> None:
@@ -499,7 +517,12 @@ def print_pressure(r: dict[str, Any]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--batch-pages", type=int, default=16)
+    parser.add_argument("--batch-pages", type=int, default=StorageConfig().batch_pages,
+                        help="pages per call: what the prefetcher and the write path issue "
+                             "(storage.batch_pages)")
+    parser.add_argument("--small-batch-pages", type=int, default=16,
+                        help="pages per call of the small-batch row (1 shard): where Ray's "
+                             "cost per call shows")
     args = parser.parse_args()
     import ray
 
@@ -525,14 +548,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     copy_pages(payloads, pool)  # fault the pool in before anything is timed
     results: dict[str, Any] = {
         "seed": SEED, "total_bytes": TOTAL_BYTES, "page_bytes": page_bytes, "pages": n,
-        "batch_pages": args.batch_pages, "repeats": args.repeats,
+        "batch_pages": args.batch_pages, "small_batch_pages": args.small_batch_pages,
+        "repeats": args.repeats,
         "torch_threads": torch.get_num_threads(),
         "page_shape": list(layout.page_shape), "kv_dtype": layout.kv_dtype, "shards": {},
     }
-    for shards in (1, 2):
-        r = bench_shards(shards, payloads, pool, args.repeats, args.batch_pages)
-        results["shards"][shards] = r
-        print(f"{shards} shard(s): memcpy {r['memcpy_gbps']:.2f} GB/s "
+    runs_ = [("1", 1, args.batch_pages), ("2", 2, args.batch_pages),
+             ("1_small_batches", 1, args.small_batch_pages)]
+    for label, shards, batch_pages in runs_:
+        r = bench_shards(shards, payloads, pool, args.repeats, batch_pages)
+        r.update(batch_pages=batch_pages, calls_per_get=-(-n // batch_pages) * shards)
+        results["shards"][label] = r
+        print(f"{shards} shard(s), {batch_pages} pages a call: call floor "
+              f"{r['call_floor_ms']:.2f} ms | memcpy {r['memcpy_gbps']:.2f} GB/s "
               f"({r['memcpy_baseline']}; torch {r['memcpy_torch_gbps']:.2f}, torch 1-thread "
               f"{r['memcpy_torch_1thread_gbps']:.2f}, numpy {r['memcpy_numpy_gbps']:.2f}, "
               f"memmove {r['memcpy_memmove_gbps']:.2f}) | "
@@ -544,7 +572,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               f"{r['get_vs_memcpy_1thread']:.2f}x"
               + (f" | previous path (by value) {r['get_by_value_gbps']:.2f} GB/s "
                  f"({r['get_by_value_vs_memcpy']:.2f}x)" if "get_by_value_gbps" in r else ""))
-    hybrid = results["hybrid"] = bench_hybrid(args.repeats, args.batch_pages)
+    hybrid = results["hybrid"] = bench_hybrid(args.repeats, args.small_batch_pages)
     print(f"hybrid (kv {hybrid['page_shape']}, state {hybrid['state_shape']} every "
           f"{hybrid['state_every_pages']} pages, {hybrid['calls']} v2 calls): set "
           f"{hybrid['set_gbps']:.2f} GB/s | get {hybrid['get_gbps']:.2f} GB/s | kv-only get "
@@ -557,16 +585,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     exists = bench_exists(args.repeats)
     print("batch_exists(1024 keys): " + ", ".join(f"{k} {v:.2f}" for k, v in exists.items()))
     transport = bench_transport(payloads, chain_records(layout, payloads, "transport"),
-                                args.repeats, args.batch_pages)
+                                args.repeats, args.small_batch_pages)
     print("transport (actor -> driver): " + ", ".join(f"{k} {v:.2f}"
                                                      for k, v in transport.items()))
     results["capacity_pressure"] = bench_capacity_pressure()
     print_pressure(results["capacity_pressure"])
-    one = results["shards"][1]
+    one = results["shards"]["1"]
     results.update(exists, transport=transport, memcpy_gbps=one["memcpy_gbps"],
                    memcpy_baseline=one["memcpy_baseline"], get_gbps=one["get_gbps"],
                    get_vs_memcpy=one["get_vs_memcpy"], set_vs_memcpy=one["set_vs_memcpy"],
                    get_vs_memcpy_1thread=one["get_vs_memcpy_1thread"],
+                   get_vs_memcpy_small_batches=results["shards"]["1_small_batches"][
+                       "get_vs_memcpy"],
                    exists_1024_ms=exists["exists_1024_ms_1_shard"],
                    target_get_vs_memcpy=TARGET,
                    meets_target=one["get_vs_memcpy"] >= TARGET)
