@@ -12,6 +12,7 @@ tokens exist in different namespaces: ``cross-namespace hits`` must stay 0.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import time
 from typing import Any
 
@@ -69,17 +70,24 @@ def run(args: argparse.Namespace) -> int:
     return 0 if totals(done)["cross_namespace_tokens"] == 0 else 1
 
 
-def run_workload(cluster: PDCluster, wl: WorkloadConfig, *,
-                 progress: Any = None) -> list[Completion]:
-    """Every conversation's turns, round by round; returns every completion."""
-    convs = make_conversations(wl)
-    preamble = np.random.default_rng(wl.seed + 1).integers(0, wl.vocab_size,
-                                                           PREAMBLE_TOKENS).tolist()
+def run_workload(cluster: PDCluster, wl: WorkloadConfig, *, progress: Any = None,
+                 lockstep: bool = True) -> list[Completion]:
+    """Every conversation's turns; returns every completion, round by round.
+
+    ``lockstep``: round by round, all conversations of a round in flight at once, the next
+    round once every answer of this one is in. Otherwise each client sends its next turn as
+    soon as its own answer is in (SGLang's multi-turn benchmark: clients do not wait for
+    one another), all clients at once.
+    """
+    convs, preamble = make_conversations(wl), preamble_tokens(wl)
+    if not lockstep:
+        per_client = asyncio.run(_clients_at_their_own_pace(cluster, wl, convs, preamble))
+        return [outs[r] for r in range(wl.rounds) for outs in per_client]
     answers: dict[str, list[list[int]]] = {c.name: [] for c in convs}
     done: list[Completion] = []
     for r in range(wl.rounds):
         start = time.perf_counter()
-        reqs = [_turn(c, r, preamble, answers[c.name], wl.output_tokens) for c in convs]
+        reqs = [turn_request(c, r, preamble, answers[c.name], wl.output_tokens) for c in convs]
         outs = cluster.generate_many(reqs)
         for c, out in zip(convs, outs):
             answers[c.name].append(out.output_ids)
@@ -93,8 +101,32 @@ def run_workload(cluster: PDCluster, wl: WorkloadConfig, *,
     return done
 
 
-def _turn(conv: Conversation, r: int, preamble: list[int], answers: list[list[int]],
-          output_tokens: int) -> Req:
+async def _clients_at_their_own_pace(cluster: PDCluster, wl: WorkloadConfig,
+                                     convs: list[Conversation], preamble: list[int]
+                                     ) -> list[list[Completion]]:
+    """Every client at once, each sending its next turn when its own answer is in."""
+    async def client(conv: Conversation) -> list[Completion]:
+        answers: list[list[int]] = []
+        outs = []
+        for r in range(wl.rounds):
+            out = await cluster.generate_async(
+                turn_request(conv, r, preamble, answers, wl.output_tokens))
+            answers.append(out.output_ids)
+            outs.append(out)
+        return outs
+
+    return list(await asyncio.gather(*(client(c) for c in convs)))
+
+
+def preamble_tokens(wl: WorkloadConfig) -> list[int]:
+    """The platform preamble every prompt of ``wl`` starts with."""
+    return np.random.default_rng(wl.seed + 1).integers(0, wl.vocab_size,
+                                                       PREAMBLE_TOKENS).tolist()
+
+
+def turn_request(conv: Conversation, r: int, preamble: list[int], answers: list[list[int]],
+                 output_tokens: int) -> Req:
+    """Round ``r`` of ``conv``, after its earlier ``answers``."""
     return Req(rid=f"{conv.name}/r{r}", input_ids=preamble + conv.prompt(r, answers),
                extra_key=conv.extra_key, cache_salt=conv.cache_salt,
                max_new_tokens=output_tokens)

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from pd_cache.app.run import preamble_tokens, run_workload, turn_request
 from pd_cache.app.workload import WorkloadConfig, make_conversations
 from pd_cache.cluster.pd_cluster import PDCluster
 from pd_cache.core.cluster_config import ClusterConfig
@@ -223,4 +224,26 @@ def test_drop_caches_empties_every_tier_and_the_next_request_computes_all(
     out = cluster.generate(again)
     assert out.output_ids == expected(model, again)
     assert sum(out.cached_tokens.values()) == 0, out.cached_tokens   # computed from scratch
+    assert_idle(cluster)
+
+
+def test_clients_at_their_own_pace_send_each_turn_after_their_own_answer(
+        cluster: PDCluster, model: Model) -> None:
+    """``run_workload(lockstep=False)`` (bench_pd's shape): every turn's prompt holds the
+    client's earlier answers, every answer is the model's own, and the completions come
+    back round by round as in lockstep."""
+    wl = WorkloadConfig(tenants=2, clients_per_tenant=2, system_tokens=13, rounds=3,
+                        user_tokens=5, output_tokens=4, vocab_size=VOCAB, seed=23)
+    done = run_workload(cluster, wl, lockstep=False)
+    convs, preamble = make_conversations(wl), preamble_tokens(wl)
+    assert [c.rid for c in done] == [f"{c.name}/r{r}" for r in range(wl.rounds) for c in convs]
+    outputs = {c.rid: c.output_ids for c in done}
+    for conv in convs:
+        answers: list[list[int]] = []
+        for r in range(wl.rounds):
+            turn = turn_request(conv, r, preamble, answers, wl.output_tokens)
+            assert outputs[turn.rid] == expected(model, turn), turn.rid
+            answers.append(outputs[turn.rid])
+    assert all(c.cross_namespace_tokens == 0 for c in done)
+    assert sum(sum(c.cached_tokens.values()) for c in done[len(convs):]) > 0
     assert_idle(cluster)
