@@ -1,0 +1,139 @@
+"""What one L3 call costs in CPU, by kind, against a call that does nothing, in one run.
+
+Where `bench_pd.py`'s cache-on run spends what its strict bound does not allow: the L3
+calls each request makes (the prefill's lookup and write-through, decode's offload) and
+the tier actors that answer them. One StorageTier actor (memory backend) with the small
+preset's pages (what `bench_pd.py` serves, 32 KiB a page), ``--pages`` pages a call, and
+for each kind of call the wall time, the tier process's CPU and this process's CPU per
+call (Linux ``/proc``), medians over ``--repeats`` rounds of ``--calls`` calls:
+
+  ping     ``StorageTier.ping``: Ray's own cost of a call (the baseline)
+  exists   ``StorageClient.batch_exists`` of pages the tier holds
+  get      ``StorageClient.batch_get`` of them (lent blocks, verified here)
+  set      ``StorageClient.batch_set`` of fresh pages (the write-through's call)
+
+Writes benchmarks/results/tier_calls.json (``*_vs_ping`` = CPU of both processes over a
+ping's).
+
+    python benchmarks/bench_tier_calls.py [--pages N] [--calls C] [--repeats R]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pd_cache.app.session import cluster_token
+from pd_cache.core.config import CacheConfig, ModelConfig, PDCacheConfig, StorageConfig
+from pd_cache.core.hashing import namespace_seed, page_hashes
+from pd_cache.storage import PageRecord, make_record
+from pd_cache.storage.client import StorageClient
+from pd_cache.storage.tier import storage_actors
+
+RESULTS = Path(__file__).parent / "results" / "tier_calls.json"
+SEED = 1234
+
+
+def records(cfg: PDCacheConfig, n: int, salt: str) -> list[PageRecord]:
+    layout = cfg.layout
+    gen = torch.Generator().manual_seed(SEED)
+    tokens = torch.randint(0, cfg.model.vocab_size, (n * layout.page_size,),
+                           generator=gen).tolist()
+    names = page_hashes(tokens, layout.page_size, cache_salt=salt)
+    priors = [namespace_seed(None, salt), *names[:-1]]
+    ps = layout.page_size
+    return [make_record(name, prior, tokens[i * ps:(i + 1) * ps],
+                        {"kv": torch.randn(layout.page_shape, generator=gen)},
+                        fingerprint=layout.fingerprint)
+            for i, (name, prior) in enumerate(zip(names, priors))]
+
+
+def process_cpu(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def per_call(call: Any, calls: int, tier_pid: int) -> dict[str, float]:
+    """Wall seconds, tier CPU and caller CPU of one call (``call(i)``, i < ``calls``)."""
+    tier, me, start = process_cpu(tier_pid), process_cpu(os.getpid()), time.perf_counter()
+    for i in range(calls):
+        call(i)
+    wall = time.perf_counter() - start
+    return {"wall_ms": 1e3 * wall / calls,
+            "tier_cpu_ms": 1e3 * (process_cpu(tier_pid) - tier) / calls,
+            "caller_cpu_ms": 1e3 * (process_cpu(os.getpid()) - me) / calls}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import ray
+
+    cfg = PDCacheConfig(model=ModelConfig.preset("small"), cache=CacheConfig(page_size=16),
+                        storage=StorageConfig(capacity_bytes=1 << 30, num_shards=1))
+    handle = storage_actors(cfg)[0]
+    try:
+        pid = ray.get(handle.ping.remote())
+        client = StorageClient([handle], timeout_s=60)
+        stored = records(cfg, args.pages, "stored")
+        names = [r.name for r in stored]
+        assert all(client.batch_set(names, stored))
+        rounds: dict[str, list[dict[str, float]]] = {k: [] for k in ("ping", "exists", "get",
+                                                                     "set")}
+        for rep in range(args.repeats + 1):   # the first round warms up and is dropped
+            fresh = [records(cfg, args.pages, f"fresh-{rep}-{i}") for i in range(args.calls)]
+            run_ = {
+                "ping": per_call(lambda i: ray.get(handle.ping.remote()), args.calls, pid),
+                "exists": per_call(lambda i: client.batch_exists(names), args.calls, pid),
+                "get": per_call(lambda i: client.batch_get(names), args.calls, pid),
+                "set": per_call(lambda i, batches=fresh: client.batch_set(
+                    [r.name for r in batches[i]], batches[i]), args.calls, pid),
+            }
+            if rep:
+                for kind, figures in run_.items():
+                    rounds[kind].append(figures)
+    finally:
+        ray.kill(handle)
+    out: dict[str, Any] = {"seed": SEED, "model": "small", "page_bytes": stored[0].nbytes,
+                           "pages_per_call": args.pages, "calls": args.calls,
+                           "repeats": args.repeats, "machine": {"cpus": os.cpu_count()}}
+    for kind, runs in rounds.items():
+        out[kind] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        out[kind]["cpu_ms"] = out[kind]["tier_cpu_ms"] + out[kind]["caller_cpu_ms"]
+    for kind in ("exists", "get", "set"):
+        out[f"{kind}_vs_ping"] = out[kind]["cpu_ms"] / out["ping"]["cpu_ms"]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pages", type=int, default=16, help="pages a call")
+    parser.add_argument("--calls", type=int, default=100, help="calls a round")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds (medians)")
+    args = parser.parse_args()
+    import ray
+
+    with cluster_token():
+        ray.init(address="local", num_cpus=2, include_dashboard=False,
+                 logging_level="WARNING")
+        try:
+            out = run(args)
+        finally:
+            ray.shutdown()
+    for kind in ("ping", "exists", "get", "set"):
+        f = out[kind]
+        ratio = f" ({out[f'{kind}_vs_ping']:.1f}x a ping)" if kind != "ping" else ""
+        print(f"{kind:>6}: {f['wall_ms']:.2f} ms wall, CPU {f['tier_cpu_ms']:.2f} ms in the "
+              f"tier + {f['caller_cpu_ms']:.2f} ms here = {f['cpu_ms']:.2f} ms{ratio}")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
