@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -45,15 +46,16 @@ class BackupWriter:
 
     def backup(self, req: Req, names: Sequence[bytes], tokens: Sequence[int],
                pages: torch.Tensor, prefix: Sequence[bytes] = (), *, skip_stored: bool = False,
-               kind: str = BACKUP, page_kind: str | None = None, copy: bool = True,
+               kind: str = BACKUP, page_kind: str | Sequence[str] | None = None,
+               copy: bool = True,
                states: Mapping[int, torch.Tensor] | None = None) -> Future[None]:
         """Write pages ``names`` (KV ``pages[i]``, ``tokens`` of all of them) to L3 later.
 
         ``prefix`` names the chain's pages before ``names``. With ``skip_stored`` the pages
         L3 already holds (its hit prefix) are not sent again. Stored pages are counted as
         ``kind/page``, and also as ``kind/<page_kind>`` when given (the offload manager's
-        ``prompt`` / ``generated``). Returns at once; the write runs on the background
-        thread; ``flush`` waits for it.
+        ``prompt`` / ``generated``: one for every page, or one per page of ``names``).
+        Returns at once; the write runs on the background thread; ``flush`` waits for it.
 
         The pages are snapshotted before this returns, so the caller may change or reuse
         its tensor at once; ``copy=False`` is for a caller that hands over a tensor it
@@ -68,6 +70,10 @@ class BackupWriter:
         if len(tokens) != len(names) * ps or pages.shape[0] < len(names):
             raise ValueError(f"backup: {len(names)} names, {len(tokens)} tokens and "
                              f"{pages.shape[0]} pages do not match (page_size {ps})")
+        if page_kind is not None and not isinstance(page_kind, str):
+            page_kind = list(page_kind)
+            if len(page_kind) != len(names):
+                raise ValueError(f"backup: {len(page_kind)} page kinds for {len(names)} names")
         chain = Chain.of(req, names, prefix, algo=self.link.algo)
         snapshot = pages.detach().to("cpu", copy=copy)
         kept = {i: s.detach().to("cpu", copy=True) for i, s in (states or {}).items()
@@ -80,7 +86,7 @@ class BackupWriter:
 
     def _write(self, req: Req, chain: Chain, tokens: list[int], pages: torch.Tensor,
                states: dict[int, torch.Tensor], skip_stored: bool, kind: str,
-               page_kind: str | None) -> None:
+               page_kind: str | list[str] | None) -> None:
         started, start, stored = time.perf_counter(), len(chain.names), 0
         try:
             start = self.link.query(req, chain, count=False) if skip_stored else 0
@@ -103,7 +109,8 @@ class BackupWriter:
 
     def _write_batch(self, req: Req, chain: Chain, lo: int, batch: list[bytes],
                      tokens: list[int], pages: torch.Tensor, prefix: list[bytes] | None,
-                     kind: str, page_kind: str | None, state: torch.Tensor | None) -> int:
+                     kind: str, page_kind: str | list[str] | None,
+                     state: torch.Tensor | None) -> int:
         """Store one batch (and the state of its last page, when given); how many of its
         pages, from the first, L3 acknowledged."""
         link = self.link
@@ -127,10 +134,12 @@ class BackupWriter:
         stored = next((i for i, ok in enumerate(acks) if not ok), len(acks))
         if stored:
             self.stats.count(kind, PAGE, stored)
-            if page_kind is not None:
-                self.stats.count(kind, page_kind, stored)
+            kinds = [page_kind] * stored if isinstance(page_kind, str) \
+                else [] if page_kind is None else page_kind[lo:lo + stored]
+            for page, n in Counter(kinds).items():
+                self.stats.count(kind, page, n)
                 if link.metrics is not None:
-                    link.metrics.count_offload(page_kind, stored)
+                    link.metrics.count_offload(page, n)
         if stored < len(batch):
             log.warning("request %s: L3 %s batch stored %d of %d pages; stopping", req.rid,
                         kind, stored, len(batch))

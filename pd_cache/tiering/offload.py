@@ -1,9 +1,12 @@
 """``DecodeOffloadManager``: the decode side's writes to L3.
 
-When decode starts it writes the prompt's full pages that L3 lacks; then, each time
-``stride`` new tokens have filled whole pages, it backs those pages up. Their names
-continue the prompt's chain from the last name written, so they equal the names a prefill
-of ``prompt + output`` computes, and the next turn of a conversation finds them::
+Each time ``stride`` new tokens (8 pages by default) have filled whole pages, and when the
+request ends, decode backs those pages up. Their names continue the prompt's chain from the
+last name written, so they equal the names a prefill of ``prompt + output`` computes, and
+the next turn of a conversation finds them. The first write also carries the prompt's full
+pages that L3 lacks (one query, then one write of everything missing from there on): by
+then prefill's own write-through of them has usually landed, so they are seldom sent twice,
+and a request's writes are one call per shard instead of one per page::
 
     prompt  |p0|p1|p2|p3 ..|          names h1 h2 h3 (p3 partial: no name yet)
     decode  |p0|p1|p2|p3 +out|o1 ..|  h4 = H(h3 || tokens of page 4), h5 = H(h4 || ..)
@@ -31,13 +34,19 @@ from pd_cache.kv.pages import kv_to_pages
 from pd_cache.kv.state import checkpoints
 from pd_cache.tiering.controller import CacheController
 
+DEFAULT_STRIDE_PAGES = 8
+
 
 @dataclass
 class OffloadState:
-    """One request's progress: the chain names written so far and the pages they cover."""
+    """One request's progress: the chain names covered so far (the prompt's full pages,
+    then the generated pages written), and whether the prompt's pages still wait for the
+    request's first write (with their recurrent states, by page index, for a hybrid model)."""
 
     req: Req
     names: list[bytes] = field(default_factory=list)
+    prompt_pending: bool = False
+    prompt_states: Mapping[int, torch.Tensor] | None = None
 
     @property
     def num_pages(self) -> int:
@@ -51,8 +60,8 @@ class OffloadState:
 class DecodeOffloadManager:
     """Backs up a decoding request's KV pages to L3 through a ``CacheController``.
 
-    ``stride`` (tokens, default one page) is how many newly computed tokens are gathered
-    before their full pages are written.
+    ``stride`` (tokens, default ``DEFAULT_STRIDE_PAGES`` pages) is how many newly
+    computed tokens are gathered before their full pages are written.
     """
 
     def __init__(self, controller: CacheController, *, stride: int | None = None) -> None:
@@ -61,7 +70,7 @@ class DecodeOffloadManager:
                              f"{type(controller).__name__}")
         self.controller = controller
         self.page_size = controller.page_size
-        stride = self.page_size if stride is None else stride
+        stride = DEFAULT_STRIDE_PAGES * self.page_size if stride is None else stride
         if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
             raise ValueError(f"stride: expected an int >= 1 (tokens), got {stride!r}")
         self.stride = stride
@@ -74,18 +83,19 @@ class DecodeOffloadManager:
 
     def offload_kv_cache(self, req: Req, prompt_pages: torch.Tensor,
                          states: Mapping[int, torch.Tensor] | None = None) -> OffloadState:
-        """Decode starts: write the prompt's full pages that L3 lacks (in the background).
+        """Decode starts: name the prompt's full pages; the request's first write (at the
+        latest ``advance(final=True)``) sends those L3 lacks, read from decode's own KV.
 
-        ``prompt_pages`` ``[>= n // page_size, *page_shape]`` hold the prompt's KV;
-        ``states`` (hybrid) the recurrent state after some of its pages, by page index.
+        ``prompt_pages`` ``[>= n // page_size, *page_shape]`` hold the prompt's KV (checked
+        for their count; not kept); ``states`` (hybrid) the recurrent state after some of
+        its pages, by page index (kept until that write copies them).
         """
         full = len(req.input_ids) // self.page_size
+        if prompt_pages.shape[0] < full:
+            raise ValueError(f"prompt_pages: {prompt_pages.shape[0]} pages for a "
+                             f"{len(req.input_ids)}-token prompt ({full} full pages)")
         names = self.compute_prefix_hash(req, req.input_ids[:full * self.page_size])
-        if names:
-            self.controller.backup(req, names, req.input_ids[:full * self.page_size],
-                                   prompt_pages[:full], skip_stored=True, kind=OFFLOAD,
-                                   page_kind=PROMPT, states=states)
-        return OffloadState(req, names)
+        return OffloadState(req, names, prompt_pending=bool(names), prompt_states=states)
 
     def advance(self, state: OffloadState, tokens: list[int], kv: torch.Tensor,
                 num_computed: int, *, final: bool = False,
@@ -94,20 +104,29 @@ class DecodeOffloadManager:
         ``num_computed`` of ``tokens`` (``prompt + output`` so far): once ``stride`` tokens
         wait past the pages already written (or ``final``), write the full pages among
         them, with the states of ``page_states`` (by page index; hybrid) at their
-        checkpoints. Returns the number of pages sent."""
+        checkpoints. The first write starts at the prompt's first page and skips what L3
+        holds. Returns the number of generated pages sent."""
         ps, done = self.page_size, state.num_pages
         full = num_computed // ps
         waiting = num_computed - done * ps
-        if full <= done or (waiting < self.stride and not final):
+        if (full <= done and not (final and state.prompt_pending)) \
+                or (waiting < self.stride and not final):
             return 0
-        tokens = tokens[done * ps:full * ps]
-        names = self.compute_prefix_hash(state.req, tokens, state.last_name)
-        pages = kv_to_pages(kv[:, :, done * ps:full * ps], ps)
-        states = {i - done: page_states[i]
+        new = self.compute_prefix_hash(state.req, tokens[done * ps:full * ps],
+                                       state.last_name) if full > done else []
+        start = 0 if state.prompt_pending else done
+        states = {i - start: page_states[i]
                   for i in checkpoints(done, full - 1, self.controller.state_every)
                   if page_states and i in page_states}
-        # NOTE: kv_to_pages made ``pages`` for this call alone: no snapshot needed.
-        self.controller.backup(state.req, names, tokens, pages, state.names, kind=OFFLOAD,
-                               page_kind=GENERATED, copy=False, states=states)
-        state.names = state.names + names
-        return len(names)
+        if state.prompt_pending:
+            states.update((i, s) for i, s in (state.prompt_states or {}).items() if i < done)
+        # NOTE: kv_to_pages makes the pages for this call alone: no snapshot needed.
+        self.controller.backup(state.req, state.names[start:] + new,
+                               tokens[start * ps:max(full, done) * ps],
+                               kv_to_pages(kv[:, :, start * ps:max(full, done) * ps], ps),
+                               state.names[:start], skip_stored=state.prompt_pending,
+                               kind=OFFLOAD, page_kind=[PROMPT] * (done - start)
+                               + [GENERATED] * len(new), copy=False, states=states)
+        state.names = state.names + new
+        state.prompt_pending, state.prompt_states = False, None
+        return len(new)

@@ -25,6 +25,7 @@ is measured from when it joined, since the first token came from prefill).
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -51,6 +52,8 @@ class _Job(NamedTuple):
     submitted: float = 0.0   # time.perf_counter() when handed in
     state: PromptState | None = None   # a hybrid prompt's recurrent state
 
+
+log = logging.getLogger(__name__)
 
 Active = list[tuple[DecodeSeq, _Job]]
 
@@ -132,7 +135,7 @@ class DecodeBatcher:
                 if job.on_token is not None:
                     job.on_token(seq.tokens[-1])
             active[:] = [(s, j) for s, j in active if not self._finish(s, j) and not
-                         self._dropped(j)]
+                         self._dropped(j, s)]
             self._last_token = {id(s): self._last_token[id(s)] for s, _ in active
                                 if id(s) in self._last_token}
         while not self._queue.empty():   # handed in after close: never started
@@ -175,20 +178,27 @@ class DecodeBatcher:
             self.metrics.observe_inter_token(now - self._last_token.get(id(seq), now), "decode")
             self._last_token[id(seq)] = now
 
-    def _dropped(self, job: _Job) -> bool:
-        """Drop a request past its deadline (``DeadlineExceeded``) or cancelled."""
+    def _dropped(self, job: _Job, seq: DecodeSeq | None = None) -> bool:
+        """Drop a request past its deadline (``DeadlineExceeded``) or cancelled; a
+        sequence already started still offloads what it computed."""
         rid = job.req.rid
         if rid in self._cancelled:
             self.engine.stats.count(DEADLINE, "cancelled")
-            job.done.set_exception(CancelledError(f"request {rid}: cancelled"))
-            return True
-        try:
-            job.req.check_deadline("decode")
-        except DeadlineExceeded as e:
-            self.engine.stats.count(DEADLINE, "dropped")
-            job.done.set_exception(e)
-            return True
-        return False
+            error: Exception = CancelledError(f"request {rid}: cancelled")
+        else:
+            try:
+                job.req.check_deadline("decode")
+                return False
+            except DeadlineExceeded as e:
+                self.engine.stats.count(DEADLINE, "dropped")
+                error = e
+        if seq is not None:
+            try:
+                self.engine.stop_decode(seq)
+            except Exception:  # noqa: BLE001 - an offload fault never outlives the request
+                log.exception("request %s: offload at drop failed", rid)
+        job.done.set_exception(error)
+        return True
 
     def _finish(self, seq: DecodeSeq, job: _Job) -> bool:
         if not seq.done:

@@ -4,6 +4,7 @@ state) handed over by prefill, stepped token by token, alone or batched with oth
     start_decode   check the handoff, copy KV and state into private buffers, start offload
     decode_step    one token for every sequence in one forward; offload filled pages
     finish_decode  offload the last full pages; the tokens
+    stop_decode    offload what a sequence dropped early computed
 
 A hybrid sequence also records the state after each page it fills until an offload write
 has taken it (the write keeps those at its checkpoints, ``pd_cache.kv.state``).
@@ -137,9 +138,15 @@ class Decoding:
 
     def finish_decode(self, seq: DecodeSeq) -> list[int]:
         """Offload the last full pages; fills ``req.output_ids``; returns the tokens."""
-        if seq.state is not None and seq.req.max_new_tokens:
-            self.offload.advance(seq.state, seq.seq, seq.buf, seq.pos, final=True,
-                                 page_states=seq.page_states)
+        self.stop_decode(seq)
         seq.req.output_ids = list(seq.tokens)
         return list(seq.tokens)
+
+    def stop_decode(self, seq: DecodeSeq) -> None:
+        """The sequence ends (finished, or dropped: cancelled, past its deadline): offload
+        what it has not written yet (the prompt's pages L3 lacks, the full pages since)."""
+        if seq.state is not None:
+            self.offload.advance(seq.state, seq.seq, seq.buf, seq.pos, final=True,
+                                 page_states=seq.page_states)
+            seq.state = None
 

@@ -91,10 +91,11 @@ def test_offload_writes_only_prompt_pages_l3_lacks_and_respects_stride() -> None
     decode_side.close()
 
 
-# A 10-token prompt (its 2 full pages written when decode starts) decoded to 30 tokens at
-# page size 4: {tokens with KV: generated pages sent then}; the call at 30 is the final one.
+# A 10-token prompt (2 full pages, sent with the first write) decoded to 30 tokens at page
+# size 4: {tokens with KV: generated pages sent then}; the call at 30 is the final one.
 STRIDES = [
-    (None, {12: 1, 16: 1, 20: 1, 24: 1, 28: 1}),   # default: one page, as each page fills
+    (None, {30: 5}),                               # default: 8 pages; here only the final call
+    (PS, {12: 1, 16: 1, 20: 1, 24: 1, 28: 1}),     # one page, as each page fills
     (1, {12: 1, 16: 1, 20: 1, 24: 1, 28: 1}),      # never before a page is full
     (6, {14: 1, 18: 1, 22: 1, 26: 1, 30: 1}),      # 6 tokens past the last page written
     (12, {20: 3, 30: 2}),                          # 3 pages at once; final sends the rest
@@ -114,16 +115,41 @@ def test_stride_sets_when_generated_pages_are_offloaded(stride: int | None,
     kv = engine.model(seq).kv                      # the KV decode holds, token by token
     state = manager.offload_kv_cache(req("r", seq[:10], ns, 20), kv_to_pages(kv[:, :, :10], PS))
     assert engine.flush(10)
-    store.calls.clear()
+    assert not store.calls                         # nothing sent before the first write
     sent = {n: manager.advance(state, seq[:n], kv, n, final=n == 30) for n in range(11, 31)}
     assert {n: pages for n, pages in sent.items() if pages} == sent_at
     assert engine.flush(10)
     writes = [keys for op, keys, *_ in store.calls if op == "set"]
-    assert [len(keys) for keys in writes] == list(sent_at.values())   # one write per send
-    # the 5 full pages after the prompt's 2 (tokens 28-29 never fill a page)
+    # one write per send, the first led by the prompt's 2 pages (L3 had none of them)
+    assert [len(keys) for keys in writes] == [2 + list(sent_at.values())[0],
+                                              *list(sent_at.values())[1:]]
+    # the prompt's 2 full pages, then the 5 after them (tokens 28-29 never fill a page)
     names = page_hashes(seq, PS, extra_key=ns[0], cache_salt=ns[1])
-    assert [k for keys in writes for k in keys] == names[2:7] == state.names[2:]
+    assert [k for keys in writes for k in keys] == names[:7] == state.names
+    assert engine.stats.get(OFFLOAD, PROMPT) == 2
     assert engine.stats.get(OFFLOAD, GENERATED) == 5
+    engine.close()
+
+
+def test_a_prompt_without_generated_pages_is_still_written_at_the_end() -> None:
+    """``final`` writes the prompt's pages L3 lacks even when no generated page filled
+    (a request that ends at once, or is dropped early)."""
+    cfg = config(batch=8)
+    store = Wrapper(make_backend(cfg.storage, cfg.layout))
+    engine = LocalEngine(cfg, storage=store)
+    manager = DecodeOffloadManager(engine.controller)
+    seq = prompt(26, 14)
+    kv = engine.model(seq).kv
+    state = manager.offload_kv_cache(req("r", seq[:13], (None, "t"), 1), kv_to_pages(kv, PS))
+    assert manager.advance(state, seq[:14], kv, 14) == 0       # no page filled: nothing yet
+    assert engine.flush(10) and not store.calls
+    assert manager.advance(state, seq[:14], kv, 14, final=True) == 0
+    assert manager.advance(state, seq[:14], kv, 14, final=True) == 0   # sent once only
+    assert engine.flush(10)
+    writes = [keys for op, keys, *_ in store.calls if op == "set"]
+    assert writes == [page_hashes(seq[:12], PS, cache_salt="t")]
+    assert store.inner.batch_exists(writes[0]) == 3
+    assert engine.stats.get(OFFLOAD, PROMPT) == 3
     engine.close()
 
 
@@ -158,11 +184,11 @@ def test_offload_writes_carry_prefix_keys_continuing_the_chain(on: bool) -> None
     names = page_hashes(seq, PS, extra_key=ns[0], cache_salt=ns[1])[:8]
     calls = [(op, names.index(keys[0]), len(keys), info, copy)
              for op, keys, info, copy in store.calls]
-    # which prompt pages L3 lacks (batches of 2: it holds 0-1), then prompt pages 2-4 in
-    # batches of 2, then each generated page as it fills (stride: one page)
+    # which prompt pages L3 lacks (batches of 2: it holds 0-1), then, in the request's one
+    # write (its 3 generated pages never reach the default stride), prompt pages 2-4 and
+    # the generated pages 5-7 in batches of 2
     assert [(op, start, n) for op, start, n, *_ in calls] == [
-        ("exists", 0, 2), ("exists", 2, 2),
-        ("set", 2, 2), ("set", 4, 1), ("set", 5, 1), ("set", 6, 1), ("set", 7, 1)]
+        ("exists", 0, 2), ("exists", 2, 2), ("set", 2, 2), ("set", 4, 2), ("set", 6, 2)]
     seed = namespace_seed(*ns)
     for op, start, _, info, copy in calls:
         assert info is not None and info.request_id == "r" and info.namespace_seed == seed

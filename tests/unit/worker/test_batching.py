@@ -1,4 +1,5 @@
-"""The decode batcher streams each token as it is drawn and drops a cancelled request."""
+"""The decode batcher streams each token as it is drawn and drops a cancelled request
+(which still offloads what it computed)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,14 @@ from concurrent.futures import CancelledError
 
 import pytest
 
+from pd_cache.core.hashing import page_hashes
 from pd_cache.core.request import Req
+from pd_cache.core.vocab import GENERATED, OFFLOAD, PROMPT
+from pd_cache.storage import make_backend
 from pd_cache.worker.batching import DecodeBatcher
 from pd_cache.worker.engine import LocalEngine
 from pd_cache.worker.model import reference_generate
+from tests.unit.tiering.test_controller import PS, config
 from tests.unit.worker.test_workers import CONFIG, prompt
 
 
@@ -51,3 +56,40 @@ def test_tokens_stream_in_order_and_a_cancelled_request_leaves_the_batch() -> No
                           again.first_token).result(30) == tokens   # the rid is not cursed
     batcher.close()
     engine.close()
+
+
+def test_a_request_cancelled_mid_decode_still_offloads_what_it_computed() -> None:
+    """Dropped before its end, a request's prompt pages (which L3 lacked: prefill had no
+    L3 here) and the generated pages filled so far reach L3 under the names a prefill of
+    prompt + tokens computes."""
+    cfg = config(batch=8)
+    store = make_backend(cfg.storage, cfg.layout)
+    prefill_side, decode_side = LocalEngine(cfg), LocalEngine(cfg, storage=store)
+    batcher = DecodeBatcher(decode_side, max_batch=2)
+    r = Req(rid="r", input_ids=prompt(3, 13), cache_salt="t", max_new_tokens=500)
+    drawn: list[int] = []
+    enough = threading.Event()
+
+    def on_token(token: int) -> None:
+        drawn.append(token)
+        if len(drawn) == 9:
+            enough.set()
+
+    out = prefill_side.prefill(r)
+    future = batcher.submit(r, out.kv_pages, out.num_prompt_tokens, out.first_token, on_token)
+    assert enough.wait(30)
+    batcher.cancel("r")
+    with pytest.raises(CancelledError):
+        future.result(30)
+    batcher.close()
+    assert decode_side.flush(10)
+    seq = r.input_ids + [out.first_token] + drawn     # every token drawn, in order
+    names = page_hashes(seq, PS, cache_salt="t")
+    held = store.batch_exists(names)
+    # the prompt's 3 full pages, then generated ones: all those with KV when it stopped
+    # (at least the 9 tokens seen), none past the tokens drawn
+    assert 3 + 9 // PS <= held <= (len(seq) - 1) // PS
+    assert decode_side.stats.get(OFFLOAD, PROMPT) == 3
+    assert decode_side.stats.get(OFFLOAD, GENERATED) == held - 3
+    prefill_side.close()
+    decode_side.close()
