@@ -3,11 +3,14 @@
 ``POST /v1/completions`` (``prompt``: text or token ids) and ``POST /v1/chat/completions``
 (``messages`` through the model's chat template) take ``model``, ``max_tokens`` (16),
 ``temperature``, ``seed``, ``stream``, ``stream_options.include_usage`` and ``user``, plus
-the extensions ``extra_key`` (the adapter namespace, as in SGLang) and ``cache_salt`` (as in
-vLLM; with API keys it only subdivides the caller's tenant). Fields OpenAI clients send that
-do not apply here are ignored. Answers carry the generated token ids (``token_ids``, an
-extension) and ``usage.prompt_tokens_details.cached_tokens``; admin keys also get
-``pd_cache`` (cached tokens by tier, server timings, workers).
+the extensions ``extra_key`` (the adapter namespace, as in SGLang), ``cache_salt`` (as in
+vLLM; with API keys it only subdivides the caller's tenant), and, as in vLLM,
+``stop_token_ids`` (more ids that end the answer) and ``ignore_eos`` (do not stop at the
+checkpoint's end-of-sequence ids, which end an answer by default: ``finish_reason`` is then
+``stop``). Fields OpenAI clients send that do not apply here are ignored. Answers carry the
+generated token ids (``token_ids``, an extension) and
+``usage.prompt_tokens_details.cached_tokens``; admin keys also get ``pd_cache`` (cached
+tokens by tier, server timings, workers).
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ class _Common(msgspec.Struct, kw_only=True):
     extra_key: str | None = None
     cache_salt: str | None = None
     rid: str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
 
     @property
     def new_tokens(self) -> int:
@@ -81,10 +86,10 @@ def details(out: Completion) -> dict[str, Any]:
             "cross_namespace_tokens": out.cross_namespace_tokens}
 
 
-def answer(rid: str, model: str, chat: bool, text: str, out: Completion,
-           admin: bool) -> dict[str, Any]:
-    """The whole answer of a request that did not stream."""
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason(out),
+def answer(rid: str, model: str, chat: bool, text: str, out: Completion, admin: bool,
+           stops: tuple[int, ...] = ()) -> dict[str, Any]:
+    """The whole answer of a request that did not stream (``stops``: its stop token ids)."""
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason(out, stops),
                               "token_ids": list(out.output_ids)}
     if chat:
         choice["message"] = {"role": "assistant", "content": text}
@@ -98,9 +103,9 @@ def answer(rid: str, model: str, chat: bool, text: str, out: Completion,
     return body
 
 
-def finish_reason(out: Completion) -> str:
-    # NOTE: the built-in models have no stop token: every answer runs to max_tokens.
-    return "length"
+def finish_reason(out: Completion, stops: tuple[int, ...] = ()) -> str:
+    """``stop`` when the answer ended on one of ``stops``, else ``length``."""
+    return "stop" if out.output_ids and out.output_ids[-1] in stops else "length"
 
 
 class Chunks:

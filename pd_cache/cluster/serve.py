@@ -58,6 +58,7 @@ class GenerateBody(msgspec.Struct, forbid_unknown_fields=True):
     cache_salt: str | None = None
     extra_key: str | None = None
     rid: str | None = None
+    stop_token_ids: list[int] = []
 
 
 def _json(status: int, payload: Any, headers: dict[str, str] | None = None) -> Any:
@@ -138,8 +139,12 @@ class PDCacheIngress:
         tenant = self._tenant(request)
         body = decode_json(await read_body(request, self.args.max_body_bytes), GenerateBody)
         check_rid(body.rid)
-        req, rid = self._request(tenant, body.input_ids, body.max_new_tokens,
-                                 SamplingParams(), body.cache_salt, body.extra_key, body.rid)
+        try:
+            sampling = SamplingParams(stop_token_ids=tuple(body.stop_token_ids))
+        except ValueError as exc:
+            raise HTTPError(400, str(exc), "stop_token_ids", "invalid_value") from None
+        req, rid = self._request(tenant, body.input_ids, body.max_new_tokens, sampling,
+                                 body.cache_salt, body.extra_key, body.rid)
         with self._admitted():
             out = await self._complete(req)
         cached = dict(out.cached_tokens) if tenant.admin else \
@@ -167,7 +172,8 @@ class PDCacheIngress:
         with self._admitted():
             out = await self._complete(req)
         text = self.tokenizer.decode(out.output_ids)
-        return _json(200, openai.answer(rid, self.model, chat, text, out, tenant.admin))
+        return _json(200, openai.answer(rid, self.model, chat, text, out, tenant.admin,
+                                        req.sampling.stop_token_ids))
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -188,12 +194,17 @@ class PDCacheIngress:
         except ValueError as exc:
             raise value_error(exc) from None
 
-    @staticmethod
-    def _sampling(body: Any) -> SamplingParams:
+    def _sampling(self, body: Any) -> SamplingParams:
+        """The body's sampling; the answer ends at the model's end-of-sequence ids (unless
+        ``ignore_eos``) and at the body's ``stop_token_ids``."""
+        vocab = self.cluster.pd.model.vocab_size
+        eos = () if body.ignore_eos else tuple(t for t in self.tokenizer.eos_ids if t < vocab)
         try:
-            return SamplingParams(temperature=body.temperature, seed=body.seed or 0)
+            return SamplingParams(temperature=body.temperature, seed=body.seed or 0,
+                                  stop_token_ids=eos + tuple(body.stop_token_ids or ()))
         except ValueError as exc:
-            raise HTTPError(400, str(exc), "temperature", "invalid_value") from None
+            field = str(exc).split(":", 1)[0].removeprefix("sampling.")
+            raise HTTPError(400, str(exc), field, "invalid_value") from None
 
     def _request(self, tenant: Tenant, ids: list[int], max_new: int, sampling: SamplingParams,
                  salt: str | None, extra_key: str | None, rid: str | None) -> tuple[Req, str]:
@@ -244,7 +255,8 @@ class PDCacheIngress:
             try:
                 async for item in self.cluster.stream(req):
                     if isinstance(item, Completion):
-                        yield chunks.token(text.flush(), None, openai.finish_reason(item))
+                        yield chunks.token(text.flush(), None, openai.finish_reason(
+                            item, req.sampling.stop_token_ids))
                         if with_usage:
                             yield chunks.usage(item, admin)
                     else:

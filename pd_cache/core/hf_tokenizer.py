@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from pd_cache.core.config import ModelConfig
-from pd_cache.core.pretrained import TOKENIZER_FILES
+from pd_cache.core.pretrained import TOKENIZER_FILES, eos_token_ids
 from pd_cache.core.tokenizer import REPLACEMENT, ROLES, ByteTokenizer
 
 
@@ -33,6 +33,10 @@ class HFTokenizer:
                              "(pip install 'pd-cache[hf]')") from None
         self.tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
         self.size = len(self.tok)
+        # NOTE: what ends an answer: the checkpoint's generation config, and the tokenizer's
+        # own end token (chat templates end a turn with it).
+        own = () if self.tok.eos_token_id is None else (int(self.tok.eos_token_id),)
+        self.eos_ids: tuple[int, ...] = tuple(dict.fromkeys(eos_token_ids(path) + own))
 
     def encode(self, text: str) -> list[int]:
         """A text prompt, with the special tokens the tokenizer adds (a BOS, say)."""

@@ -136,6 +136,24 @@ def _get(raw: dict[str, Any], where: str, key: str, *default: Any) -> Any:
     raise ValueError(f"{where}: missing {key!r}")
 
 
+def eos_token_ids(path: str) -> tuple[int, ...]:
+    """The checkpoint's end-of-sequence ids: ``eos_token_id`` (an id or a list of them) of
+    its ``generation_config.json``, else of its ``config.json``; ``()`` when it names none."""
+    for name in ("generation_config.json", CONFIG_FILE):
+        file = os.path.join(path, name)
+        if os.path.isfile(file):
+            raw = _read_json(file).get("eos_token_id")
+            if raw is None:
+                continue
+            ids = raw if isinstance(raw, list) else [raw]
+            if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                       for i in ids):
+                raise ValueError(f"model: {file}: eos_token_id: expected token ids, "
+                                 f"got {raw!r}")
+            return tuple(ids)
+    return ()
+
+
 def _read_json(path: str) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as f:

@@ -25,19 +25,37 @@ class DeadlineExceeded(TimeoutError):
 
 
 class SamplingParams(msgspec.Struct, frozen=True, gc=False):
-    """Greedy by default; ``temperature > 0`` samples with a per-request ``seed``."""
+    """Greedy by default; ``temperature > 0`` samples with a per-request ``seed``.
+
+    ``stop_token_ids``: generation ends right after drawing one of them (it is the last
+    output token), before ``max_new_tokens`` if need be; none by default (a checkpoint's
+    end-of-sequence ids are added by the OpenAI front, not here).
+    """
 
     temperature: float = 0.0
     seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
             raise ValueError(f"sampling.temperature: expected a number >= 0, "
                              f"got {self.temperature!r}")
+        stops = self.stop_token_ids
+        if isinstance(stops, (str, bytes)) or not isinstance(stops, (tuple, list)) or any(
+                isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < MAX_TOKEN
+                for t in stops):
+            raise ValueError(f"sampling.stop_token_ids: expected token ids (ints >= 0), "
+                             f"got {stops!r}")
+        if isinstance(stops, list):
+            msgspec.structs.force_setattr(self, "stop_token_ids", tuple(stops))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def stops(self, tokens: list[int]) -> bool:
+        """Whether ``tokens`` (the output so far) ended on a stop token."""
+        return bool(tokens) and tokens[-1] in self.stop_token_ids
 
 
 def check_namespace(field: str, value: Any) -> None:
@@ -127,6 +145,10 @@ class Req(msgspec.Struct, kw_only=True):
             i = int((ids >= vocab_size).argmax())
             raise ValueError(f"input_ids[{i}]: token id {int(ids[i])} is outside the "
                              f"vocabulary [0, {vocab_size})")
+        for t in self.sampling.stop_token_ids:
+            if t >= vocab_size:
+                raise ValueError(f"sampling.stop_token_ids: token id {t} is outside the "
+                                 f"vocabulary [0, {vocab_size})")
         total = len(ids) + self.max_new_tokens
         if max_context is not None and total > max_context:
             raise ValueError(f"input_ids: prompt of {len(ids)} tokens + max_new_tokens="

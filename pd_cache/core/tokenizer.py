@@ -30,6 +30,8 @@ class ByteTokenizer:
                              f"{256 + len(SPECIALS)} ids, the model has {vocab_size}")
         self.vocab_size = vocab_size
         self.special = {text: 256 + i for i, text in enumerate(SPECIALS)}
+        # NOTE: the presets' weights are random: no id ends an answer unless a client asks.
+        self.eos_ids: tuple[int, ...] = ()
 
     def encode(self, text: str) -> list[int]:
         if not isinstance(text, str):

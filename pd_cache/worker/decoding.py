@@ -55,7 +55,8 @@ class Decoding:
 
     def decode(self, req: Req, prompt_kv_pages: torch.Tensor, num_prompt_tokens: int,
                first_token: int, state: PromptState | None = None) -> list[int]:
-        """Generate ``req.max_new_tokens`` tokens after the prompt; fills ``req.output_ids``.
+        """Generate up to ``req.max_new_tokens`` tokens after the prompt (fewer when one is a
+        stop token of ``req.sampling``); fills ``req.output_ids``.
 
         ``prompt_kv_pages`` (and a hybrid prompt's ``state``) are treated as read-only
         (they may be a shared-memory view). Raises ``ValueError`` if they have the wrong

@@ -287,7 +287,8 @@ def sample(logits: torch.Tensor, sampling: SamplingParams, step: int) -> int:
 
 
 def reference_generate(model: Model, req: Req) -> Generation:
-    """Generate with no cache at all: every step reruns the whole sequence from scratch.
+    """Generate with no cache at all: every step reruns the whole sequence from scratch,
+    up to ``max_new_tokens`` or a stop token (``req.sampling.stop_token_ids``; kept).
 
     This is the ground truth every cached path is compared to.
     """
@@ -300,6 +301,8 @@ def reference_generate(model: Model, req: Req) -> Generation:
         out.append(token)
         all_logits.append(logits)
         ids.append(token)
+        if req.sampling.stops(out):
+            break
     return Generation(out, all_logits)
 
 

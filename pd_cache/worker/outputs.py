@@ -102,4 +102,6 @@ class DecodeSeq:
 
     @property
     def done(self) -> bool:
-        return len(self.tokens) >= self.req.max_new_tokens
+        """``max_new_tokens`` drawn, or the last one drawn is a stop token."""
+        return len(self.tokens) >= self.req.max_new_tokens or \
+            self.req.sampling.stops(self.tokens)

@@ -139,3 +139,58 @@ def test_the_openai_front_serves_text_and_chat_with_the_checkpoints_tokenizer(
         assert "".join(p.choices[0].delta.content or "" for p in parts) == tok.decode(ids)
         again = client.chat.completions.create(model=path, messages=messages, max_tokens=6)
         assert again.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_an_answer_ends_at_the_checkpoints_end_of_sequence_id(ray_cluster, hf_checkpoints,
+                                                              tmp_path) -> None:
+    """A copy of the Qwen2 checkpoint whose generation config names as end-of-sequence the
+    4th token its answer draws: the OpenAI front stops there (``finish_reason`` ``stop``),
+    where ``transformers``' own ``generate`` stops, streamed or not; ``ignore_eos`` runs to
+    ``max_tokens``; ``stop_token_ids`` adds ids of the client's own."""
+    import json
+    import shutil
+
+    import torch
+
+    openai = pytest.importorskip("openai")
+    from tests.hf_checkpoints import hf_model
+    from tests.integration.serving import running_app
+
+    original = hf_checkpoints["qwen2"]
+    tok = HFTokenizer(original)
+    prompt = "The cache layer keeps the KV of every prompt"
+    ids = tok.encode(prompt)
+    free = hf_generate(original, ids, 10).tokens
+    eos = free[3]
+    assert eos not in free[:3]
+    path = shutil.copytree(original, tmp_path / "qwen2-eos")
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    with torch.no_grad():
+        theirs = hf_model(original).generate(torch.tensor([ids]), max_new_tokens=10,
+                                             do_sample=False, eos_token_id=eos,
+                                             pad_token_id=0)[0, len(ids):].tolist()
+    assert theirs == free[:4]
+    args = {"model": str(path), "page_size": PS, "num_prefill": 1, "num_decode": 1,
+            "num_storage": 1, "cluster_name": None}
+    with running_app(args, "pd-cache-hf-eos") as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+        model = str(path)
+        out = client.completions.create(model=model, prompt=prompt, max_tokens=10)
+        assert out.choices[0].model_extra["token_ids"] == theirs
+        assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens == 4
+        parts = list(client.completions.create(model=model, prompt=prompt, max_tokens=10,
+                                               stream=True))
+        assert [t for p in parts for t in p.choices[0].model_extra["token_ids"]] == theirs
+        assert parts[-1].choices[0].finish_reason == "stop"
+        longer = client.completions.create(model=model, prompt=prompt, max_tokens=10,
+                                           extra_body={"ignore_eos": True})
+        assert longer.choices[0].model_extra["token_ids"] == free
+        assert longer.choices[0].finish_reason == "length"
+        own = client.completions.create(model=model, prompt=prompt, max_tokens=10,
+                                        extra_body={"ignore_eos": True,
+                                                    "stop_token_ids": [free[1]]})
+        assert own.choices[0].model_extra["token_ids"] == free[:2]
+        assert own.choices[0].finish_reason == "stop"
+        with pytest.raises(openai.BadRequestError, match="stop_token_ids"):
+            client.completions.create(model=model, prompt=prompt, max_tokens=4,
+                                      extra_body={"stop_token_ids": [10 ** 6]})

@@ -90,3 +90,25 @@ def test_pd_cache_imports_and_serves_presets_without_the_hf_extra(hf_checkpoints
     assert lines[1] == "hi"
     assert all("needs the hf extra (pip install 'pd-cache[hf]')" in line for line in lines[2:])
     assert len(lines) == 4
+
+
+def test_end_of_sequence_ids_come_from_the_generation_config(hf_checkpoints, tmp_path) -> None:
+    """The ids that end an answer: the generation config's (an id or a list), else the
+    model config's, with the tokenizer's own end token; none for the presets."""
+    import json
+
+    path = shutil.copytree(hf_checkpoints["qwen2"], tmp_path / "ck")
+    tok = HFTokenizer(str(path))
+    own = tok.tok.convert_tokens_to_ids("<|im_end|>")
+    assert own in tok.eos_ids
+    with open(path / "generation_config.json", "w") as f:
+        json.dump({"eos_token_id": [7, 11]}, f)
+    assert HFTokenizer(str(path)).eos_ids == tuple(dict.fromkeys((7, 11, own)))
+    os.remove(path / "generation_config.json")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "eos_token_id": 5}))
+    assert HFTokenizer(str(path)).eos_ids == tuple(dict.fromkeys((5, own)))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": ["x"]}))
+    with pytest.raises(ValueError, match="generation_config.json: eos_token_id"):
+        HFTokenizer(str(path))
+    assert tokenizer_for(ModelConfig.preset("tiny")).eos_ids == ()

@@ -66,3 +66,15 @@ def test_numpy_and_tuple_prompts_become_lists() -> None:
 def test_bad_sampling() -> None:
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1.0)
+
+
+def test_stop_token_ids_are_token_ids_inside_the_vocabulary() -> None:
+    assert SamplingParams(stop_token_ids=[7, 9]).stop_token_ids == (7, 9)
+    assert SamplingParams(stop_token_ids=(7,)).stops([1, 7])
+    assert not SamplingParams(stop_token_ids=(7,)).stops([7, 1])
+    assert not SamplingParams().stops([7]) and not SamplingParams(stop_token_ids=(7,)).stops([])
+    for bad in ([-1], ["7"], "7", [True], 7, [1.5]):
+        with pytest.raises(ValueError, match="sampling.stop_token_ids"):
+            SamplingParams(stop_token_ids=bad)
+    with pytest.raises(ValueError, match=r"sampling.stop_token_ids: token id 999 .*\[0, 100\)"):
+        admit(sampling=SamplingParams(stop_token_ids=(5, 999)), vocab_size=100)

@@ -9,7 +9,7 @@ from concurrent.futures import CancelledError
 import pytest
 
 from pd_cache.core.hashing import page_hashes
-from pd_cache.core.request import Req
+from pd_cache.core.request import Req, SamplingParams
 from pd_cache.core.vocab import GENERATED, OFFLOAD, PROMPT
 from pd_cache.storage import make_backend
 from pd_cache.worker.batching import DecodeBatcher
@@ -93,3 +93,30 @@ def test_a_request_cancelled_mid_decode_still_offloads_what_it_computed() -> Non
     assert decode_side.stats.get(OFFLOAD, GENERATED) == held - 3
     prefill_side.close()
     decode_side.close()
+
+
+def test_a_request_that_draws_a_stop_token_leaves_the_batch_and_the_others_go_on() -> None:
+    engine = LocalEngine(CONFIG)
+    batcher = DecodeBatcher(engine, max_batch=4)
+    prompts = [prompt(11, 9), prompt(12, 14)]
+    free = [reference_generate(engine.model, Req(rid="ref", input_ids=p,
+                                                 max_new_tokens=10)).output_ids
+            for p in prompts]
+    stop = free[0][4]
+    assert stop not in free[0][:4]
+    sampling = SamplingParams(stop_token_ids=(stop,))
+    reqs = [Req(rid=f"s{i}", input_ids=p, max_new_tokens=10, sampling=sampling)
+            for i, p in enumerate(prompts)]
+    futures = []
+    for r in reqs:
+        out = engine.prefill(r)
+        futures.append(batcher.submit(r, out.kv_pages, out.num_prompt_tokens,
+                                      out.first_token))
+    got = [f.result(30) for f in futures]
+    assert got[0] == free[0][:5]                   # stopped right after the stop token
+    want = reference_generate(engine.model, Req(rid="ref", input_ids=prompts[1],
+                                                max_new_tokens=10, sampling=sampling))
+    assert got[1] == want.output_ids              # the other ran on as without a cache
+    assert engine.locks_held() == 0
+    batcher.close()
+    engine.close()

@@ -325,3 +325,31 @@ def test_decode_step_rejects_mismatched_batches() -> None:
     with pytest.raises(ValueError, match="token_ids"):
         engine.model.decode_step([VOCAB], [buf], [0])
     engine.close()
+
+
+def test_a_stop_token_ends_the_answer_on_every_path_as_without_a_cache() -> None:
+    """Stop ids taken from the no-cache answer itself: its 1st (drawn by prefill) and 3rd
+    tokens; cold, radix hit and split prefill/decode all stop right after that token, as
+    ``reference_generate`` does, and free what they held."""
+    engine = LocalEngine(config(device=16, host=32))
+    reference = Reference(Model(engine.config.model))
+    prompt = corpus(seed=5, n=1)[0][0]
+    free = reference(prompt, max_new=8).output_ids
+    for stop_at in (0, 2):
+        stop = free[stop_at]
+        assert stop not in free[:stop_at]        # it first appears there
+        sampling = SamplingParams(stop_token_ids=(stop,))
+        want = reference(prompt, 8, sampling).output_ids
+        assert want == free[:stop_at + 1]
+        cold = engine.generate(req(10 + stop_at, prompt, max_new=8, sampling=sampling))
+        hit = engine.generate(req(20 + stop_at, prompt, max_new=8, sampling=sampling))
+        assert hit.cached_tokens["device"] > 0
+        other = LocalEngine(engine.config)
+        r = req(30 + stop_at, prompt, max_new=8, sampling=sampling)
+        out = engine.prefill(r)
+        split = other.decode(r, out.kv_pages, out.num_prompt_tokens, out.first_token)
+        assert cold.output_ids == hit.output_ids == split == want
+        assert_quiescent(engine)
+        assert other.locks_held() == 0
+        other.close()
+    engine.close()
