@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
-import random
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,7 +14,9 @@ from pd_cache.cluster.pd_cluster import PDCluster
 from pd_cache.core.cluster_config import ClusterConfig
 from pd_cache.core.request import Req
 from pd_cache.core.wire import Completion
-from pd_cache.worker.model import Model, reference_generate
+from pd_cache.worker.model import Model
+from tests.integration import clusters
+from tests.integration.clusters import assert_idle, expected, request
 
 ray = pytest.importorskip("ray")
 
@@ -25,7 +25,6 @@ CONFIG = ClusterConfig(model="tiny", page_size=PS, device_pages=64, host_pages=1
                        storage_timeout_s=5.0)
 VOCAB = CONFIG.pd_config.model.vocab_size
 NAMESPACES = [(None, None), (None, "tenant-a"), ("lora-1", None), ("lora-1", "tenant-a")]
-_ids = itertools.count()
 
 
 @pytest.fixture(scope="module")
@@ -40,27 +39,13 @@ def model() -> Model:
     return Model(CONFIG.pd_config.model)
 
 
-def req(tokens: list[int], ns: tuple[str | None, str | None] = (None, None),
+def req(ids: list[int], ns: tuple[str | None, str | None] = (None, None),
         max_new: int = 5) -> Req:
-    return Req(rid=f"r{next(_ids)}", input_ids=tokens, extra_key=ns[0], cache_salt=ns[1],
-               max_new_tokens=max_new)
+    return request(ids, ns, max_new)
 
 
 def tokens(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(VOCAB) for _ in range(n)]
-
-
-def expected(model: Model, r: Req) -> list[int]:
-    return reference_generate(model, Req(rid="ref", input_ids=r.input_ids,
-                                         max_new_tokens=r.max_new_tokens)).output_ids
-
-
-def assert_idle(cluster: PDCluster) -> None:
-    for state in cluster.states():
-        assert state.locks == 0, state
-        owners = {o for pool in state.pool_usage.values() for o in pool}
-        assert owners <= {"radix"}, state  # every request's own slots were released
+    return clusters.tokens(seed, n, VOCAB)
 
 
 def test_multi_turn_multi_tenant_output_equals_reference(cluster: PDCluster,

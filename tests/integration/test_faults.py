@@ -21,7 +21,8 @@ import pytest
 from pd_cache import ClusterConfig, Completion, PDCluster, Req
 from pd_cache.core.request import DeadlineExceeded
 from pd_cache.core.vocab import DEADLINE, DECODE
-from pd_cache.worker.model import Model, reference_generate
+from pd_cache.worker.model import Model
+from tests.integration.clusters import assert_idle, expected
 
 ray = pytest.importorskip("ray")
 
@@ -50,11 +51,6 @@ def workload(seed: int, n: int, max_new: int = 6) -> list[Req]:
                 cache_salt=f"tenant-{i % 4}", max_new_tokens=max_new) for i in range(n)]
 
 
-def expected(model: Model, r: Req) -> list[int]:
-    return reference_generate(model, Req(rid="ref", input_ids=r.input_ids,
-                                         max_new_tokens=r.max_new_tokens)).output_ids
-
-
 def wait_healthy(cluster: PDCluster, role: str, worker: int, timeout_s: float = 45) -> None:
     """A bounded poll: until ``worker`` of ``role`` answers again."""
     end = time.monotonic() + timeout_s
@@ -65,12 +61,6 @@ def wait_healthy(cluster: PDCluster, role: str, worker: int, timeout_s: float = 
             return
         time.sleep(0.2)
     raise AssertionError(f"{role} worker {worker} never answered again: {state}")
-
-
-def assert_idle(cluster: PDCluster) -> None:
-    for state in cluster.states():
-        assert state.locks == 0, state
-        assert {o for pool in state.pool_usage.values() for o in pool} <= {"radix"}, state
 
 
 def run_and_kill(cluster: PDCluster, reqs: list[Req], role: str,

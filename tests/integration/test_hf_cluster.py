@@ -5,8 +5,6 @@ share no pages; two checkpoints of one shape share no L3 pages."""
 
 from __future__ import annotations
 
-import itertools
-import random
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,12 +15,13 @@ from pd_cache.core.cluster_config import ClusterConfig
 from pd_cache.core.hf_tokenizer import HFTokenizer
 from pd_cache.core.request import Req
 from tests.hf_checkpoints import assert_matches, hf_generate
+from tests.integration import clusters
+from tests.integration.clusters import assert_idle, request
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("transformers")
 
 PS = 4
-_ids = itertools.count()
 
 
 def small(path: str, **fields: Any) -> ClusterConfig:
@@ -40,18 +39,11 @@ def arch_cluster(request: Any, ray_cluster: Any, hf_checkpoints) -> Iterator[tup
 
 
 def req(ids: list[int], max_new: int, salt: str | None = None) -> Req:
-    return Req(rid=f"hf{next(_ids)}", input_ids=ids, max_new_tokens=max_new, cache_salt=salt)
+    return request(ids, (None, salt), max_new, prefix="hf")
 
 
 def tokens(seed: int, n: int, vocab: int = 320) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(vocab) for _ in range(n)]
-
-
-def assert_idle(cluster: PDCluster) -> None:
-    for state in cluster.states():
-        assert state.locks == 0, state
-        assert {o for pool in state.pool_usage.values() for o in pool} <= {"radix"}, state
+    return clusters.tokens(seed, n, vocab)
 
 
 def test_every_cached_path_decodes_what_transformers_decodes(arch_cluster) -> None:

@@ -4,8 +4,6 @@ the recurrent state move through every tier; the output equals the no-cache mode
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import random
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,7 +17,9 @@ from pd_cache.core.vocab import STATE
 from pd_cache.storage.client import StorageClient
 from pd_cache.storage.tier import storage_actors
 from pd_cache.worker.engine import LocalEngine
-from pd_cache.worker.model import Model, reference_generate
+from pd_cache.worker.model import Model
+from tests.integration import clusters
+from tests.integration.clusters import expected, request
 from tests.unit.storage.test_storage_v2 import Recorder
 from tests.unit.tiering.test_hybrid_calls import NAMES, WRITE_RUNS, P, check_calls
 from tests.unit.tiering.test_hybrid_calls import config as calls_config
@@ -30,7 +30,6 @@ PS = 4
 CONFIG = ClusterConfig(model="tiny-hybrid", page_size=PS, device_pages=64, host_pages=128,
                        storage_timeout_s=5.0)
 VOCAB = CONFIG.pd_config.model.vocab_size
-_ids = itertools.count()
 
 
 @pytest.fixture(scope="module")
@@ -45,28 +44,17 @@ def model() -> Model:
     return Model(CONFIG.pd_config.model)
 
 
-def req(tokens: list[int], ns: tuple[str | None, str | None] = (None, None),
+def req(ids: list[int], ns: tuple[str | None, str | None] = (None, None),
         max_new: int = 5) -> Req:
-    return Req(rid=f"h{next(_ids)}", input_ids=tokens, extra_key=ns[0], cache_salt=ns[1],
-               max_new_tokens=max_new)
+    return request(ids, ns, max_new, prefix="h")
 
 
 def tokens(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(VOCAB) for _ in range(n)]
-
-
-def expected(model: Model, r: Req) -> list[int]:
-    return reference_generate(model, Req(rid="ref", input_ids=r.input_ids,
-                                         max_new_tokens=r.max_new_tokens)).output_ids
+    return clusters.tokens(seed, n, VOCAB)
 
 
 def assert_idle(cluster: PDCluster) -> None:
-    for state in cluster.states():
-        assert state.locks == 0, state
-        assert "state" in state.pool_usage, state      # the hybrid state pool is reported
-        owners = {o for pool in state.pool_usage.values() for o in pool}
-        assert owners <= {"radix"}, state
+    clusters.assert_idle(cluster, pools={"state"})   # the hybrid state pool is reported
 
 
 def test_multi_turn_multi_tenant_output_equals_reference(cluster: PDCluster,

@@ -1,0 +1,43 @@
+"""What the cluster test modules share: prompts, requests, the no-cache answer, and the
+check that a cluster is idle between scenarios (no lock held, every slot the cache's)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Collection
+from typing import Any
+
+from pd_cache.core.request import Req
+from pd_cache.worker.model import Model, reference_generate
+
+_ids = itertools.count()
+
+
+def tokens(seed: int, n: int, vocab: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+def request(ids: list[int], ns: tuple[str | None, str | None] = (None, None),
+            max_new: int = 5, prefix: str = "r") -> Req:
+    """A request with a rid of its own, in namespace ``ns`` (``extra_key``, ``cache_salt``)."""
+    return Req(rid=f"{prefix}{next(_ids)}", input_ids=ids, extra_key=ns[0], cache_salt=ns[1],
+               max_new_tokens=max_new)
+
+
+def expected(model: Model, r: Req) -> list[int]:
+    """The answer to ``r``'s prompt with no cache at all (namespace left out)."""
+    return reference_generate(model, Req(rid="ref", input_ids=r.input_ids,
+                                         max_new_tokens=r.max_new_tokens,
+                                         sampling=r.sampling)).output_ids
+
+
+def assert_idle(cluster: Any, pools: Collection[str] = ()) -> None:
+    """No worker holds a lock, every slot belongs to the cache; ``pools`` must be reported
+    (a hybrid model's ``state``)."""
+    for state in cluster.states():
+        assert state.locks == 0, state
+        assert set(pools) <= set(state.pool_usage), state
+        owners = {o for pool in state.pool_usage.values() for o in pool}
+        assert owners <= {"radix"}, state   # every request's own slots were released
