@@ -29,6 +29,8 @@ import time
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any
 
+import msgspec
+
 from pd_cache.cluster.health import Liveness, WorkerDied, ping_all, worker_died
 from pd_cache.cluster.operations import NAMESPACE, ClusterOperations
 from pd_cache.cluster.router import PrefixRouter
@@ -136,32 +138,48 @@ class PDCluster(ClusterOperations):
         """Serve one request token by token: each token id as soon as it is drawn (the first
         right after prefill: its arrival is the TTFT), then the ``Completion``.
 
-        A worker that dies before the first token is sent is retried once elsewhere; after
-        that, a dead decode worker ends the stream with ``WorkerDied`` (no token is ever
-        sent twice). Closing the iterator early (a client that went away) cancels the
-        request's decode. Other errors as ``generate_async``.
+        A worker that dies under the request is replaced once. Before the first token the
+        request runs again elsewhere; after it, the answer resumes on other workers from
+        the tokens already sent: a prefill of prompt + those tokens draws the next one as
+        the whole answer would (``SamplingParams.first_step``), so the client gets every
+        token once, in order, and the answer is the one an unbroken run gives. Closing the
+        iterator early (a client that went away) cancels the request's decode. Other errors
+        as ``generate_async``.
         """
         req = self.admit(req)
         start, failed = time.perf_counter(), {"prefill": [], "decode": []}
-        for attempt in (1, 2):
+        part, sent, attempt = req, [], 1
+        first: PrefillInfo | None = None    # the prompt's own prefill: what is reported
+        ttft, out = 0.0, None
+        while True:
             try:
-                info, handoff = await self._prefill(req, None, failed["prefill"])
+                info, handoff = await self._prefill(part, None, failed["prefill"])
+                if first is None:
+                    first, ttft = info, time.perf_counter() - start
+                if part.max_new_tokens:
+                    sent.append(info.first_token)
+                    yield info.first_token
+                async for item in self._decode_stream(part, info, handoff):
+                    if isinstance(item, DecodeInfo):
+                        out = item
+                    else:
+                        sent.append(item)
+                        yield item
                 break
             except WorkerDied as e:
                 if attempt == 2 or req.expired():
                     raise
+                attempt, out = 2, None
                 failed[e.role].append(e.worker)
-        ttft = time.perf_counter() - start
-        if req.max_new_tokens:
-            yield info.first_token
-        out = None
-        async for item in self._decode_stream(req, info, handoff):
-            if isinstance(item, DecodeInfo):
-                out = item
-            else:
-                yield item
-        req.output_ids = list(out.output_ids)
-        yield self._complete(req, info, out, ttft, time.perf_counter() - start, attempt)
+                if req.answered_by(sent):   # every token was drawn: only the summary was lost
+                    break
+                log.warning("request %s: %s after %d tokens; resuming elsewhere", req.rid, e,
+                            len(sent))
+                part = req.resumed_after(sent)
+        req.output_ids = list(sent)
+        whole = DecodeInfo(req.rid, -1, list(sent), 0, 0, 0.0, 0.0) if out is None else \
+            msgspec.structs.replace(out, output_ids=list(sent))
+        yield self._complete(req, first, whole, ttft, time.perf_counter() - start, attempt)
 
     async def _decode_stream(self, req: Req, info: PrefillInfo,
                              handoff: Any) -> AsyncIterator[int | DecodeInfo]:
@@ -318,3 +336,4 @@ def totals(completions: Iterable[Completion]) -> dict[str, Any]:
 
 
 __all__ = ["ClusterConfig", "Completion", "PDCluster", "PageNames", "totals"]
+

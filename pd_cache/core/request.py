@@ -29,12 +29,15 @@ class SamplingParams(msgspec.Struct, frozen=True, gc=False):
 
     ``stop_token_ids``: generation ends right after drawing one of them (it is the last
     output token), before ``max_new_tokens`` if need be; none by default (a checkpoint's
-    end-of-sequence ids are added by the OpenAI front, not here).
+    end-of-sequence ids are added by the OpenAI front, not here). ``first_step``: the index
+    of the first token this request draws in its answer (a stream resumed after ``k``
+    tokens draws as the whole answer would from token ``k`` on).
     """
 
     temperature: float = 0.0
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    first_step: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
@@ -46,6 +49,10 @@ class SamplingParams(msgspec.Struct, frozen=True, gc=False):
                 for t in stops):
             raise ValueError(f"sampling.stop_token_ids: expected token ids (ints >= 0), "
                              f"got {stops!r}")
+        if isinstance(self.first_step, bool) or not isinstance(self.first_step, int) \
+                or self.first_step < 0:
+            raise ValueError(f"sampling.first_step: expected an int >= 0, "
+                             f"got {self.first_step!r}")
         if isinstance(stops, list):
             msgspec.structs.force_setattr(self, "stop_token_ids", tuple(stops))
 
@@ -153,6 +160,20 @@ class Req(msgspec.Struct, kw_only=True):
         if max_context is not None and total > max_context:
             raise ValueError(f"input_ids: prompt of {len(ids)} tokens + max_new_tokens="
                              f"{self.max_new_tokens} exceeds the model context {max_context}")
+
+    def answered_by(self, tokens: list[int]) -> bool:
+        """Whether ``tokens`` are a whole answer (``max_new_tokens`` of them, or a stop)."""
+        return len(tokens) >= self.max_new_tokens or self.sampling.stops(tokens)
+
+    def resumed_after(self, sent: list[int]) -> Req:
+        """This request after ``sent``, the start of its answer: the rest of it, drawn as
+        the whole answer would be (prompt + ``sent``, ``sampling.first_step`` moved on)."""
+        sampling = msgspec.structs.replace(self.sampling,
+                                           first_step=self.sampling.first_step + len(sent))
+        return Req(rid=self.rid, input_ids=self.input_ids + list(sent),
+                   extra_key=self.extra_key, cache_salt=self.cache_salt,
+                   max_new_tokens=self.max_new_tokens - len(sent), sampling=sampling,
+                   deadline=self.deadline)
 
     @property
     def namespace(self) -> tuple[str | None, str | None]:

@@ -276,11 +276,13 @@ def _check_state_at(state_at: Sequence[int], num_new: int) -> list[int]:
 def sample(logits: torch.Tensor, sampling: SamplingParams, step: int) -> int:
     """Next token from ``logits`` ``[V]``: argmax when greedy, else a seeded draw.
 
-    The draw's generator is seeded from ``(sampling.seed, step)`` alone, so prefill (step 0)
-    and decode (later steps) draw the same tokens in different processes.
+    The draw's generator is seeded from ``(sampling.seed, sampling.first_step + step)``
+    alone, so prefill (step 0) and decode (later steps) draw the same tokens in different
+    processes, and a resumed answer draws as the whole one would.
     """
     if sampling.greedy:
         return int(torch.argmax(logits))
+    step += sampling.first_step
     g = torch.Generator().manual_seed((sampling.seed * 1_000_003 + step) % 2**63)
     probs = torch.softmax(logits.float().cpu() / sampling.temperature, dim=-1)
     return int(torch.multinomial(probs, 1, generator=g))

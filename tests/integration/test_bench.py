@@ -155,10 +155,10 @@ def test_the_command_compares_cache_on_and_off_on_the_same_arrivals(tmp_path: Pa
     assert "answers differ" in done.stdout
 
 
-def test_a_decode_worker_killed_mid_run_costs_no_wrong_answer(ray_cluster: Any) -> None:
-    """kill -9 of a decode worker while the bench streams: every answer that completes is
-    the model's own, a request that loses its stream is recorded with its error (and the
-    turns that carry its answer as DependencyFailed), and the cluster serves again."""
+def test_a_decode_worker_killed_mid_run_costs_no_answer(ray_cluster: Any) -> None:
+    """kill -9 of a decode worker while the bench streams: every stream on it resumes on
+    the other worker (``PDCluster.stream``), every answer completes and is the model's own,
+    and the cluster serves again on both."""
     import signal
 
     from pd_cache.app.bench.runner import run_open_loop
@@ -180,10 +180,8 @@ def test_a_decode_worker_killed_mid_run_costs_no_wrong_answer(ray_cluster: Any) 
                                         on_done=kill_after_three))
         assert killed == [victim]
         ok = [r for r in run.records if r.ok]
-        failed = [r for r in run.records if not r.ok]
-        assert len(ok) >= len(workload.requests) // 2, [r.error for r in failed]
-        assert {r.error_type for r in failed} <= {"WorkerDied", "DependencyFailed"}, \
-            [r.error for r in failed]
+        assert len(ok) == len(workload.requests), [r.error for r in run.records if not r.ok]
+        assert any(r.attempts == 2 for r in ok)   # some were on the killed worker
         model = Model(CONFIG.pd_config.model)
         for rec in ok:   # every answer that came back is the model's own
             spec = workload.requests[rec.index]

@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 
 from pd_cache import ClusterConfig, Completion, PDCluster, Req
-from pd_cache.core.request import DeadlineExceeded
+from pd_cache.core.request import DeadlineExceeded, SamplingParams
 from pd_cache.core.vocab import DEADLINE, DECODE
-from pd_cache.worker.model import Model
+from pd_cache.worker.model import Model, reference_generate
 from tests.integration.clusters import assert_idle, expected
 
 ray = pytest.importorskip("ray")
@@ -123,4 +123,42 @@ def test_requests_past_their_deadline_stop_costing_work(cluster: PDCluster,
     ok = Req(rid="after-deadlines", input_ids=long[0].input_ids, max_new_tokens=4,
              deadline=time.time() + 30)
     assert cluster.generate(ok).output_ids == expected(model, ok)
+    assert_idle(cluster)
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.9, seed=11)],
+                         ids=["greedy", "sampled"])
+def test_a_stream_whose_decode_worker_is_killed_resumes_elsewhere(
+        cluster: PDCluster, model: Model, sampling: SamplingParams) -> None:
+    """kill -9 of the decode worker a stream is on, after its 6th token: the stream goes on
+    from another worker and the client gets the answer an unbroken run gives (every token
+    once, in order; with sampling, the same draws), reported as a second attempt; the
+    worker comes back."""
+    rng = random.Random(9)
+    r = Req(rid="long-stream", input_ids=[rng.randrange(VOCAB) for _ in range(37)],
+            cache_salt="tenant-s", max_new_tokens=400, sampling=sampling)
+    want = reference_generate(model, Req(rid="ref", input_ids=r.input_ids,
+                                         max_new_tokens=400, sampling=sampling)).output_ids
+    victim: dict[str, int] = {}
+
+    async def consume() -> tuple[list[int], Completion]:
+        tokens: list[int] = []
+        async for item in cluster.stream(r):
+            if isinstance(item, Completion):
+                return tokens, item
+            tokens.append(item)
+            if len(tokens) == 6:   # decode is on: the one worker with a request in flight
+                worker = cluster.decode_router.loads.index(1)
+                victim["worker"] = worker
+                victim["pid"] = ray.get(cluster.decode[worker].pid.remote())
+                os.kill(victim["pid"], signal.SIGKILL)
+        raise AssertionError("the stream ended without a completion")
+
+    tokens, out = asyncio.run(asyncio.wait_for(consume(), 120))
+    assert tokens == want and out.output_ids == want     # nothing lost, nothing twice
+    assert out.attempts == 2 and out.num_prompt_tokens == 37
+    assert out.decode_worker != victim["worker"]
+    wait_healthy(cluster, "decode", worker=victim["worker"])
+    assert ray.get(cluster.decode[victim["worker"]].pid.remote()) != victim["pid"]
+    cluster.flush()
     assert_idle(cluster)

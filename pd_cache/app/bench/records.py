@@ -21,7 +21,9 @@ class RequestRecord(msgspec.Struct, kw_only=True):
     ``cached_tokens`` is the answer's ``usage.prompt_tokens_details.cached_tokens``;
     ``expected_cached_tokens`` is the oracle's ideal for the same request; ``tier_hits``
     splits the cached tokens by tier (``device`` / ``host`` / ``storage``) when the server
-    tells. ``error`` is ``"<ErrorType>: message"`` and ``error_type`` its first part.
+    tells; ``attempts`` is 2 when a worker died under the request and it ran again or
+    resumed elsewhere (when the server tells). ``error`` is ``"<ErrorType>: message"`` and
+    ``error_type`` its first part.
     """
 
     index: int
@@ -44,6 +46,7 @@ class RequestRecord(msgspec.Struct, kw_only=True):
     cross_namespace_tokens: int | None = None
     prefill_worker: int | None = None
     decode_worker: int | None = None
+    attempts: int | None = None
     error: str | None = None
     error_type: str | None = None
 

@@ -106,7 +106,7 @@ async def _send(target: Any, spec: Any, prompt: list[int], due: float, start: fl
         expected_cached_tokens=None, tier_hits=reply.tier_hits,
         cross_namespace_tokens=reply.cross_namespace_tokens,
         prefill_worker=reply.prefill_worker, decode_worker=reply.decode_worker,
-        error=None, error_type=None)
+        attempts=reply.attempts, error=None, error_type=None)
 
 
 def _failed(spec: Any, due: float, sent_s: float, kind: str, message: str,

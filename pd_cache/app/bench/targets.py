@@ -32,6 +32,7 @@ class Reply(NamedTuple):
     cross_namespace_tokens: int | None = None
     prefill_worker: int | None = None
     decode_worker: int | None = None
+    attempts: int | None = None
 
 
 class Tokens(NamedTuple):
@@ -77,7 +78,7 @@ class LocalTarget:
 def _reply(out: Any) -> Reply:
     return Reply(list(out.output_ids), out.num_prompt_tokens, sum(out.cached_tokens.values()),
                  dict(out.cached_tokens), out.cross_namespace_tokens, out.prefill_worker,
-                 out.decode_worker)
+                 out.decode_worker, out.attempts)
 
 
 class HTTPTarget:
@@ -197,7 +198,7 @@ def _http_reply(ids: list[int], count: int, usage: dict | None, details: dict | 
     tiers = details.get("cached_tokens")
     return Reply(ids, prompt, cached, dict(tiers) if isinstance(tiers, dict) else None,
                  details.get("cross_namespace_tokens"), details.get("prefill_worker"),
-                 details.get("decode_worker"))
+                 details.get("decode_worker"), details.get("attempts"))
 
 
 async def _events(resp: Any) -> AsyncIterator[dict[str, Any]]:
