@@ -353,3 +353,22 @@ def test_a_stop_token_ends_the_answer_on_every_path_as_without_a_cache() -> None
         assert other.locks_held() == 0
         other.close()
     engine.close()
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=1.0, seed=3),
+                                      SamplingParams(stop_token_ids=(7,))],
+                         ids=["greedy", "sampled", "stop"])
+def test_an_answer_resumed_after_k_tokens_goes_on_as_the_whole_answer(
+        sampling: SamplingParams) -> None:
+    """``Req.resumed_after(sent)``: prompt + sent, the rest of the budget, draws from step
+    ``len(sent)`` on; the engine (a cached path) gives what the unbroken answer gives."""
+    engine = LocalEngine(config())
+    prompt = corpus(seed=8, n=1)[0][0]
+    whole = reference_generate(engine.model, req(0, prompt, max_new=12, sampling=sampling))
+    for k in (1, 5):
+        rest = req(0, prompt, max_new=12, sampling=sampling).resumed_after(
+            whole.output_ids[:k])
+        assert rest.max_new_tokens == 12 - k and rest.sampling.first_step == k
+        assert rest.input_ids == prompt + whole.output_ids[:k]
+        assert engine.generate(rest).output_ids == whole.output_ids[k:]
+    engine.close()
