@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any
@@ -65,7 +66,7 @@ class PDCluster(ClusterOperations):
         """
         import ray
 
-        from pd_cache.storage.tier import storage_actors
+        from pd_cache.storage.tier import ShardName, storage_actors
         from pd_cache.worker.actors import decode_actor, prefill_actor
         from pd_cache.worker.digest import with_weights_digest
 
@@ -77,15 +78,19 @@ class PDCluster(ClusterOperations):
         # it from the config to partition L3, and each worker checks its own weights match.
         pd = with_weights_digest(config.pd_config)
         named = _namer(name)
-        storage = (storage_actors(pd, name and f"{name}/storage", detached=bool(name),
-                                  namespace=NAMESPACE, max_restarts=config.storage_restarts)
+        # NOTE: storage shards are named even in a cluster without a name (a unique one,
+        # not detached), so workers are told their names, not handles (see ShardName).
+        shards = f"{name}/storage" if name else f"pd-cache-{os.urandom(6).hex()}/storage"
+        storage = (storage_actors(pd, shards, detached=bool(name), namespace=NAMESPACE,
+                                  max_restarts=config.storage_restarts)
                    if config.with_storage else [])
+        shard_names = [ShardName(f"{shards}-{i}", NAMESPACE) for i in range(len(storage))]
         opts = {"threads": config.threads, "num_cpus": config.actor_cpus,
                 "storage_timeout_s": config.storage_timeout_s,
                 "max_restarts": config.worker_restarts}
-        prefill = [prefill_actor(pd, i, storage, actor=named("prefill", i), **opts)
+        prefill = [prefill_actor(pd, i, shard_names, actor=named("prefill", i), **opts)
                    for i in range(config.num_prefill)]
-        decode = [decode_actor(pd, i, storage, max_batch=config.decode_batch,
+        decode = [decode_actor(pd, i, shard_names, max_batch=config.decode_batch,
                                actor=named("decode", i), **opts)
                   for i in range(config.num_decode)]
         ray.get([a.ready.remote() for a in prefill + decode] + [s.ping.remote() for s in storage])

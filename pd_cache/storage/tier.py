@@ -15,7 +15,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from pd_cache.core.config import PDCacheConfig
 from pd_cache.core.request import Req, compute_prefix_hash
@@ -165,3 +165,20 @@ def storage_actors(config: PDCacheConfig, name: str | None = None, *, detached: 
     """One actor per shard (``config.storage.num_shards``); shard ``i`` is ``{name}-{i}``."""
     return [storage_actor(config, f"{name}-{i}" if name else None, shard=i, detached=detached,
                           **options) for i in range(config.storage.num_shards)]
+
+
+class ShardName(NamedTuple):
+    """A named storage actor, as a worker is told of it: the worker looks it up itself
+    (``resolve``), so its constructor holds no actor handle (Ray warns that a restart
+    could not rebuild arguments that hold object refs, as handles do)."""
+
+    name: str
+    namespace: str | None = None
+
+
+def resolve(shards: Sequence[Any]) -> list[Any]:
+    """Actor handles for ``shards`` (handles, or ``ShardName`` looked up by name)."""
+    import ray
+
+    return [ray.get_actor(s.name, namespace=s.namespace) if isinstance(s, ShardName) else s
+            for s in shards]

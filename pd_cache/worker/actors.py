@@ -35,8 +35,9 @@ def _storage_client(handles: Sequence[Any], config: PDCacheConfig,
     if not handles or not config.storage.enabled:
         return None
     from pd_cache.storage.client import StorageClient
+    from pd_cache.storage.tier import resolve
 
-    return StorageClient(handles, algo=config.cache.hash_algo, timeout_s=timeout_s,
+    return StorageClient(resolve(handles), algo=config.cache.hash_algo, timeout_s=timeout_s,
                          metrics=metrics)
 
 
@@ -163,9 +164,11 @@ def prefill_actor(config: PDCacheConfig, worker_id: int, storage_handles: Sequen
     """A ``PrefillActor`` handle; ``prefill.remote(req)`` returns ``(info_ref, pages_ref,
     states_ref)`` (states: a hybrid prompt's, ``None`` when plain).
 
-    ``max_restarts`` (-1: always) brings a killed process back; its calls are not retried
-    by Ray (the router retries a request elsewhere). ``actor``: more Ray actor options
-    (a name, a placement resource, ...)."""
+    ``storage_handles``: the L3 shards, as actor handles or, better, as
+    ``pd_cache.storage.tier.ShardName`` (looked up by the worker: no handle in its
+    constructor's arguments). ``max_restarts`` (-1: always) brings a killed process back;
+    its calls are not retried by Ray (the router retries a request elsewhere). ``actor``:
+    more Ray actor options (a name, a placement resource, ...)."""
     return _remote(PrefillActor).options(**_options(num_cpus, max_restarts, 1, actor)).remote(
         config, worker_id, list(storage_handles), threads, storage_timeout_s)
 
