@@ -3,12 +3,17 @@ check that a cluster is idle between scenarios (no lock held, every slot the cac
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import os
 import random
+import signal
+import time
 from collections.abc import Collection
 from typing import Any
 
 from pd_cache.core.request import Req
+from pd_cache.core.wire import Completion
 from pd_cache.worker.model import Model, reference_generate
 
 _ids = itertools.count()
@@ -41,3 +46,40 @@ def assert_idle(cluster: Any, pools: Collection[str] = ()) -> None:
         assert set(pools) <= set(state.pool_usage), state
         owners = {o for pool in state.pool_usage.values() for o in pool}
         assert owners <= {"radix"}, state   # every request's own slots were released
+
+
+def stream_killing_decode(cluster: Any, req: Req, after: int = 6
+                          ) -> tuple[list[int], Completion, int, int]:
+    """Stream ``req``; once ``after`` tokens are in, kill -9 the decode worker it is on (the
+    only one with a request in flight). Returns the tokens received, the completion, and
+    the victim's index and pid."""
+    import ray
+
+    victim: list[int] = []
+
+    async def consume() -> tuple[list[int], Completion]:
+        tokens: list[int] = []
+        async for item in cluster.stream(req):
+            if isinstance(item, Completion):
+                return tokens, item
+            tokens.append(item)
+            if len(tokens) == after:
+                worker = cluster.decode_router.loads.index(1)
+                victim.extend([worker, ray.get(cluster.decode[worker].pid.remote())])
+                os.kill(victim[1], signal.SIGKILL)
+        raise AssertionError("the stream ended without a completion")
+
+    tokens, out = asyncio.run(asyncio.wait_for(consume(), 120))
+    return tokens, out, victim[0], victim[1]
+
+
+def wait_healthy(cluster: Any, role: str, worker: int, timeout_s: float = 45) -> None:
+    """A bounded poll: until ``worker`` of ``role`` answers again."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        state = asyncio.run(cluster.health(timeout_s=2.0))
+        if worker in state["live"][role]:
+            assert state["healthy"]
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{role} worker {worker} never answered again: {state}")

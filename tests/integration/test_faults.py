@@ -22,7 +22,12 @@ from pd_cache import ClusterConfig, Completion, PDCluster, Req
 from pd_cache.core.request import DeadlineExceeded, SamplingParams
 from pd_cache.core.vocab import DEADLINE, DECODE
 from pd_cache.worker.model import Model, reference_generate
-from tests.integration.clusters import assert_idle, expected
+from tests.integration.clusters import (
+    assert_idle,
+    expected,
+    stream_killing_decode,
+    wait_healthy,
+)
 
 ray = pytest.importorskip("ray")
 
@@ -49,18 +54,6 @@ def workload(seed: int, n: int, max_new: int = 6) -> list[Req]:
     system = [rng.randrange(VOCAB) for _ in range(24)]
     return [Req(rid=f"f{seed}-{i}", input_ids=system + [rng.randrange(VOCAB) for _ in range(9)],
                 cache_salt=f"tenant-{i % 4}", max_new_tokens=max_new) for i in range(n)]
-
-
-def wait_healthy(cluster: PDCluster, role: str, worker: int, timeout_s: float = 45) -> None:
-    """A bounded poll: until ``worker`` of ``role`` answers again."""
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        state = asyncio.run(cluster.health(timeout_s=2.0))
-        if worker in state["live"][role]:
-            assert state["healthy"]
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"{role} worker {worker} never answered again: {state}")
 
 
 def run_and_kill(cluster: PDCluster, reqs: list[Req], role: str,
@@ -139,26 +132,11 @@ def test_a_stream_whose_decode_worker_is_killed_resumes_elsewhere(
             cache_salt="tenant-s", max_new_tokens=400, sampling=sampling)
     want = reference_generate(model, Req(rid="ref", input_ids=r.input_ids,
                                          max_new_tokens=400, sampling=sampling)).output_ids
-    victim: dict[str, int] = {}
-
-    async def consume() -> tuple[list[int], Completion]:
-        tokens: list[int] = []
-        async for item in cluster.stream(r):
-            if isinstance(item, Completion):
-                return tokens, item
-            tokens.append(item)
-            if len(tokens) == 6:   # decode is on: the one worker with a request in flight
-                worker = cluster.decode_router.loads.index(1)
-                victim["worker"] = worker
-                victim["pid"] = ray.get(cluster.decode[worker].pid.remote())
-                os.kill(victim["pid"], signal.SIGKILL)
-        raise AssertionError("the stream ended without a completion")
-
-    tokens, out = asyncio.run(asyncio.wait_for(consume(), 120))
+    tokens, out, worker, pid = stream_killing_decode(cluster, r)
     assert tokens == want and out.output_ids == want     # nothing lost, nothing twice
     assert out.attempts == 2 and out.num_prompt_tokens == 37
-    assert out.decode_worker != victim["worker"]
-    wait_healthy(cluster, "decode", worker=victim["worker"])
-    assert ray.get(cluster.decode[victim["worker"]].pid.remote()) != victim["pid"]
+    assert out.decode_worker != worker
+    wait_healthy(cluster, "decode", worker=worker)
+    assert ray.get(cluster.decode[worker].pid.remote()) != pid
     cluster.flush()
     assert_idle(cluster)

@@ -19,7 +19,7 @@ from pd_cache.storage.tier import storage_actors
 from pd_cache.worker.engine import LocalEngine
 from pd_cache.worker.model import Model
 from tests.integration import clusters
-from tests.integration.clusters import expected, request
+from tests.integration.clusters import expected, request, stream_killing_decode, wait_healthy
 from tests.unit.storage.test_storage_v2 import Recorder
 from tests.unit.tiering.test_hybrid_calls import NAMES, WRITE_RUNS, P, check_calls
 from tests.unit.tiering.test_hybrid_calls import config as calls_config
@@ -123,3 +123,18 @@ def test_the_tier_actors_receive_kv_and_trailing_state_with_the_operations_prefi
     finally:
         for h in handles:
             ray.kill(h)
+
+
+def test_a_hybrid_stream_resumes_after_its_decode_worker_is_killed(cluster: PDCluster,
+                                                                   model: Model) -> None:
+    """kill -9 of the decode worker mid-stream on the hybrid model: the resumed prefill
+    rebuilds the recurrent state from prompt + the tokens sent, and the answer is the one
+    an unbroken run gives; the worker comes back."""
+    r = req(tokens(61, 29), (None, "tenant-resume"), max_new=300)
+    sent, out, worker, pid = stream_killing_decode(cluster, r, after=5)
+    assert sent == out.output_ids == expected(model, r)
+    assert out.attempts == 2 and out.decode_worker != worker
+    wait_healthy(cluster, "decode", worker)
+    assert ray.get(cluster.decode[worker].pid.remote()) != pid
+    cluster.flush()
+    assert_idle(cluster)
