@@ -341,4 +341,3 @@ def totals(completions: Iterable[Completion]) -> dict[str, Any]:
 
 
 __all__ = ["ClusterConfig", "Completion", "PDCluster", "PageNames", "totals"]
-

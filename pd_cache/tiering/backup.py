@@ -46,15 +46,15 @@ class BackupWriter:
 
     def backup(self, req: Req, names: Sequence[bytes], tokens: Sequence[int],
                pages: torch.Tensor, prefix: Sequence[bytes] = (), *, skip_stored: bool = False,
-               kind: str = BACKUP, page_kind: str | Sequence[str] | None = None,
+               kind: str = BACKUP, page_kinds: Sequence[str] | None = None,
                copy: bool = True,
                states: Mapping[int, torch.Tensor] | None = None) -> Future[None]:
         """Write pages ``names`` (KV ``pages[i]``, ``tokens`` of all of them) to L3 later.
 
         ``prefix`` names the chain's pages before ``names``. With ``skip_stored`` the pages
         L3 already holds (its hit prefix) are not sent again. Stored pages are counted as
-        ``kind/page``, and also as ``kind/<page_kind>`` when given (the offload manager's
-        ``prompt`` / ``generated``: one for every page, or one per page of ``names``).
+        ``kind/page``, and also as ``kind/<page_kinds[i]>`` when given, one per page of
+        ``names`` (the offload manager's ``prompt`` / ``generated``).
         Returns at once; the write runs on the background thread; ``flush`` waits for it.
 
         The pages are snapshotted before this returns, so the caller may change or reuse
@@ -70,23 +70,22 @@ class BackupWriter:
         if len(tokens) != len(names) * ps or pages.shape[0] < len(names):
             raise ValueError(f"backup: {len(names)} names, {len(tokens)} tokens and "
                              f"{pages.shape[0]} pages do not match (page_size {ps})")
-        if page_kind is not None and not isinstance(page_kind, str):
-            page_kind = list(page_kind)
-            if len(page_kind) != len(names):
-                raise ValueError(f"backup: {len(page_kind)} page kinds for {len(names)} names")
+        kinds = None if page_kinds is None else list(page_kinds)
+        if kinds is not None and len(kinds) != len(names):
+            raise ValueError(f"backup: {len(kinds)} page kinds for {len(names)} names")
         chain = Chain.of(req, names, prefix, algo=self.link.algo)
         snapshot = pages.detach().to("cpu", copy=copy)
         kept = {i: s.detach().to("cpu", copy=True) for i, s in (states or {}).items()
                 if 0 <= i < len(names)}
         job = self._writer.submit(self._write, req, chain, tokens, snapshot, kept, skip_stored,
-                                  kind, page_kind)
+                                  kind, kinds)
         with self._lock:
             self._pending = [f for f in self._pending if not f.done()] + [job]
         return job
 
     def _write(self, req: Req, chain: Chain, tokens: list[int], pages: torch.Tensor,
                states: dict[int, torch.Tensor], skip_stored: bool, kind: str,
-               page_kind: str | list[str] | None) -> None:
+               kinds: list[str] | None) -> None:
         started, start, stored = time.perf_counter(), len(chain.names), 0
         try:
             start = self.link.query(req, chain, count=False) if skip_stored else 0
@@ -97,7 +96,7 @@ class BackupWriter:
                 lo, hi = start + run.start, start + run.stop
                 batch = chain.names[lo:hi]
                 done = self._write_batch(req, chain, lo, batch, tokens, pages, prefix, kind,
-                                         page_kind, states.get(hi - 1))
+                                         kinds, states.get(hi - 1))
                 stored += done
                 if done < len(batch):
                     break
@@ -109,7 +108,7 @@ class BackupWriter:
 
     def _write_batch(self, req: Req, chain: Chain, lo: int, batch: list[bytes],
                      tokens: list[int], pages: torch.Tensor, prefix: list[bytes] | None,
-                     kind: str, page_kind: str | list[str] | None,
+                     kind: str, kinds: list[str] | None,
                      state: torch.Tensor | None) -> int:
         """Store one batch (and the state of its last page, when given); how many of its
         pages, from the first, L3 acknowledged."""
@@ -134,9 +133,7 @@ class BackupWriter:
         stored = next((i for i, ok in enumerate(acks) if not ok), len(acks))
         if stored:
             self.stats.count(kind, PAGE, stored)
-            kinds = [page_kind] * stored if isinstance(page_kind, str) \
-                else [] if page_kind is None else page_kind[lo:lo + stored]
-            for page, n in Counter(kinds).items():
+            for page, n in Counter((kinds or [])[lo:lo + stored]).items():
                 self.stats.count(kind, page, n)
                 if link.metrics is not None:
                     link.metrics.count_offload(page, n)

@@ -81,19 +81,15 @@ class DecodeOffloadManager:
         return chain_names(req, tokens, prior, page_size=self.page_size,
                            algo=self.controller.algo)
 
-    def offload_kv_cache(self, req: Req, prompt_pages: torch.Tensor,
+    def offload_kv_cache(self, req: Req,
                          states: Mapping[int, torch.Tensor] | None = None) -> OffloadState:
         """Decode starts: name the prompt's full pages; the request's first write (at the
         latest ``advance(final=True)``) sends those L3 lacks, read from decode's own KV.
 
-        ``prompt_pages`` ``[>= n // page_size, *page_shape]`` hold the prompt's KV (checked
-        for their count; not kept); ``states`` (hybrid) the recurrent state after some of
-        its pages, by page index (kept until that write copies them).
+        ``states`` (hybrid): the recurrent state after some of the prompt's pages, by page
+        index (kept until that write copies them).
         """
         full = len(req.input_ids) // self.page_size
-        if prompt_pages.shape[0] < full:
-            raise ValueError(f"prompt_pages: {prompt_pages.shape[0]} pages for a "
-                             f"{len(req.input_ids)}-token prompt ({full} full pages)")
         names = self.compute_prefix_hash(req, req.input_ids[:full * self.page_size])
         return OffloadState(req, names, prompt_pending=bool(names), prompt_states=states)
 
@@ -125,7 +121,7 @@ class DecodeOffloadManager:
                                tokens[start * ps:max(full, done) * ps],
                                kv_to_pages(kv[:, :, start * ps:max(full, done) * ps], ps),
                                state.names[:start], skip_stored=state.prompt_pending,
-                               kind=OFFLOAD, page_kind=[PROMPT] * (done - start)
+                               kind=OFFLOAD, page_kinds=[PROMPT] * (done - start)
                                + [GENERATED] * len(new), copy=False, states=states)
         state.names = state.names + new
         state.prompt_pending, state.prompt_states = False, None

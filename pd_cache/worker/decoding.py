@@ -88,8 +88,7 @@ class Decoding:
         recurrent = self._recurrent(state)
         offloading = None
         if self.offload is not None:
-            offloading = self.offload.offload_kv_cache(req, prompt_kv_pages,
-                                                       state.pages if state else None)
+            offloading = self.offload.offload_kv_cache(req, state.pages if state else None)
         n, steps = num_prompt_tokens, req.max_new_tokens
         # NOTE: one buffer for the whole sequence; the last token's KV is never needed.
         buf = kv.new_empty((*kv.shape[:2], n + max(steps, 1) - 1, *kv.shape[3:]))

@@ -103,5 +103,4 @@ class DecodeSeq:
     @property
     def done(self) -> bool:
         """``max_new_tokens`` drawn, or the last one drawn is a stop token."""
-        return len(self.tokens) >= self.req.max_new_tokens or \
-            self.req.sampling.stops(self.tokens)
+        return self.req.answered_by(self.tokens)

@@ -8,7 +8,6 @@ import pytest
 from pd_cache.core.hashing import namespace_seed, page_hashes
 from pd_cache.core.request import Req
 from pd_cache.core.vocab import GENERATED, OFFLOAD, PROMPT
-from pd_cache.kv import kv_to_pages
 from pd_cache.storage import make_backend
 from pd_cache.tiering.offload import DecodeOffloadManager
 from pd_cache.worker.engine import LocalEngine
@@ -113,7 +112,7 @@ def test_stride_sets_when_generated_pages_are_offloaded(stride: int | None,
     ns = ("lora-1", "tenant-a")
     seq = prompt(25, 30)
     kv = engine.model(seq).kv                      # the KV decode holds, token by token
-    state = manager.offload_kv_cache(req("r", seq[:10], ns, 20), kv_to_pages(kv[:, :, :10], PS))
+    state = manager.offload_kv_cache(req("r", seq[:10], ns, 20))
     assert engine.flush(10)
     assert not store.calls                         # nothing sent before the first write
     sent = {n: manager.advance(state, seq[:n], kv, n, final=n == 30) for n in range(11, 31)}
@@ -140,7 +139,7 @@ def test_a_prompt_without_generated_pages_is_still_written_at_the_end() -> None:
     manager = DecodeOffloadManager(engine.controller)
     seq = prompt(26, 14)
     kv = engine.model(seq).kv
-    state = manager.offload_kv_cache(req("r", seq[:13], (None, "t"), 1), kv_to_pages(kv, PS))
+    state = manager.offload_kv_cache(req("r", seq[:13], (None, "t"), 1))
     assert manager.advance(state, seq[:14], kv, 14) == 0       # no page filled: nothing yet
     assert engine.flush(10) and not store.calls
     assert manager.advance(state, seq[:14], kv, 14, final=True) == 0
