@@ -29,11 +29,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from bench_storage import chain_records  # this folder: how its records are named
 
 from pd_cache.app.session import cluster_token
 from pd_cache.core.config import CacheConfig, ModelConfig, PDCacheConfig, StorageConfig
-from pd_cache.core.hashing import namespace_seed, page_hashes
-from pd_cache.storage import PageRecord, make_record
+from pd_cache.storage import PageRecord
 from pd_cache.storage.client import StorageClient
 from pd_cache.storage.tier import storage_actors
 
@@ -42,17 +42,10 @@ SEED = 1234
 
 
 def records(cfg: PDCacheConfig, n: int, salt: str) -> list[PageRecord]:
-    layout = cfg.layout
+    """``n`` fresh pages of the small preset, named in namespace ``salt``."""
     gen = torch.Generator().manual_seed(SEED)
-    tokens = torch.randint(0, cfg.model.vocab_size, (n * layout.page_size,),
-                           generator=gen).tolist()
-    names = page_hashes(tokens, layout.page_size, cache_salt=salt)
-    priors = [namespace_seed(None, salt), *names[:-1]]
-    ps = layout.page_size
-    return [make_record(name, prior, tokens[i * ps:(i + 1) * ps],
-                        {"kv": torch.randn(layout.page_shape, generator=gen)},
-                        fingerprint=layout.fingerprint)
-            for i, (name, prior) in enumerate(zip(names, priors))]
+    return chain_records(cfg.layout, [torch.randn(cfg.layout.page_shape, generator=gen)
+                                      for _ in range(n)], salt)
 
 
 def process_cpu(pid: int) -> float:
