@@ -123,7 +123,7 @@ def saved_fractions(model_name: str, prompts: dict[str, tuple[int, int]],
     import torch
 
     from pd_cache.core.config import ModelConfig
-    from pd_cache.worker.model import Model
+    from pd_cache.model.model import Model
 
     torch.set_num_threads(1)
     cfg = ModelConfig.preset(model_name)

@@ -18,14 +18,14 @@ from pd_cache.core.wire import Completion
 
 if TYPE_CHECKING:
     from pd_cache.cluster.pd_cluster import PDCluster
+    from pd_cache.model.model import Model, reference_generate
     from pd_cache.storage import make_backend
     from pd_cache.worker.engine import LocalEngine
-    from pd_cache.worker.model import Model, reference_generate
 
 _LAZY = {
     "LocalEngine": "pd_cache.worker.engine",
-    "Model": "pd_cache.worker.model",
-    "reference_generate": "pd_cache.worker.model",
+    "Model": "pd_cache.model.model",
+    "reference_generate": "pd_cache.model.model",
     "PDCluster": "pd_cache.cluster.pd_cluster",
     "make_backend": "pd_cache.storage",
 }

@@ -1,2 +1,3 @@
 """Many workers: the prefix-aware ``router``, ``PDCluster`` (``pd_cluster``) over prefill,
-decode and storage actors, and the HTTP ingress (``serve``)."""
+decode and storage actors, their ``health`` and operator ``operations``. The HTTP front
+over it lives in ``pd_cache.front``."""

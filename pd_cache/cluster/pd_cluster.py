@@ -66,9 +66,9 @@ class PDCluster(ClusterOperations):
         """
         import ray
 
+        from pd_cache.model.digest import with_weights_digest
         from pd_cache.storage.tier import ShardName, storage_actors
         from pd_cache.worker.actors import decode_actor, prefill_actor
-        from pd_cache.worker.digest import with_weights_digest
 
         if not isinstance(config, ClusterConfig):
             raise ValueError(f"config: expected ClusterConfig, got {type(config).__name__}")

@@ -1,7 +1,7 @@
 """``ClusterConfig``: the one source of a PD cluster's knobs.
 
 Its fields (name, type, default, help) are what ``pd-cache run`` offers as flags and what
-the Serve app accepts as ``args`` (``pd_cache.app.flags``, ``pd_cache.cluster.serve``); no
+the Serve app accepts as ``args`` (``pd_cache.app.flags``, ``pd_cache.front.serve``); no
 other place lists them. ``pd_config`` derives the ``PDCacheConfig`` every worker shares.
 """
 

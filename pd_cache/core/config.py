@@ -183,7 +183,7 @@ class PDCacheConfig:
         ``model_id`` is the preset name and ``model.kv_digest``. ``weights_digest`` is
         ``model.weights_digest`` if pinned, else derived from ``kv_digest`` (the weights the
         config seeds), so a caller with no model gets the layout a worker of the same config
-        uses; a worker checks pinned weights against its own (``pd_cache.worker.digest``).
+        uses; a worker checks pinned weights against its own (``pd_cache.model.digest``).
         """
         m, kv = self.model, self.model.kv_digest
         state_layers = m.recurrent_layers

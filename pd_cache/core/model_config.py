@@ -29,10 +29,10 @@ ATTENTION, RECURRENT = "a", "r"   # the letters of ModelConfig.layer_pattern
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of the reference decoder-only transformer (see ``pd_cache.worker.model``).
+    """Shape of the reference decoder-only transformer (see ``pd_cache.model.model``).
 
     ``weights_digest`` names the exact weights: the xxh3_128 hex digest of their bytes
-    (``pd_cache.worker.digest``). Empty means "the weights this config seeds", which
+    (``pd_cache.model.digest``). Empty means "the weights this config seeds", which
     ``kv_digest`` identifies; a cluster pins the digest of the built weights at start.
 
     ``layer_pattern`` makes a hybrid model: one letter per layer, ``a`` (attention, whose

@@ -5,13 +5,13 @@ A checkpoint is a directory::
     config.json               architecture and shape (LlamaForCausalLM, Qwen2ForCausalLM)
     *.safetensors             the weights (one file, or shards listed in
                               model.safetensors.index.json)
-    tokenizer.json            the tokenizer (``pd_cache.core.hf_tokenizer``)
+    tokenizer.json            the tokenizer (``pd_cache.front.hf_tokenizer``)
     tokenizer_config.json     its special tokens and chat template
 
 Nothing is downloaded: a missing file is a ``ValueError`` naming it. ``model_fields`` reads
 ``config.json`` into ``ModelConfig`` fields and refuses what the model cannot run (another
 architecture, scaled RoPE, sliding windows, an activation other than SiLU). The weights
-digest follows the rule of the built-in models (``pd_cache.worker.digest``): xxh3_128 over
+digest follows the rule of the built-in models (``pd_cache.model.digest``): xxh3_128 over
 every tensor in name order, each framed by its name, dtype and shape, here read straight
 from the safetensors files (no torch), so a storage shard or a driver digests a checkpoint
 without loading it.

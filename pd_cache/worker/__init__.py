@@ -1,2 +1,3 @@
-"""One worker process: the reference ``model``, the ``engine`` over the KV tiers, decode
-``batching``, the plain prefill/decode ``workers`` and the Ray ``actors`` that host them."""
+"""One worker process: the ``engine`` over the KV tiers, decode ``batching`` and
+``decoding``, the plain prefill/decode ``workers`` and the Ray ``actors`` that host them.
+The model they run lives in ``pd_cache.model``."""

@@ -19,10 +19,11 @@ from pd_cache.core.request import Req
 from pd_cache.core.stats import Stats
 from pd_cache.core.vocab import DECODE
 from pd_cache.kv import PagePool
+from pd_cache.kv.pages import kv_to_pages, pages_to_kv
 from pd_cache.kv.state import checkpoints
+from pd_cache.model.model import Model, sample
+from pd_cache.model.model import check_state as check_model_state
 from pd_cache.tiering.offload import DecodeOffloadManager
-from pd_cache.worker.model import Model, kv_to_pages, pages_to_kv, sample
-from pd_cache.worker.model import check_state as check_model_state
 from pd_cache.worker.outputs import DecodeSeq, PromptState
 
 

@@ -35,16 +35,17 @@ from pd_cache.core.request import Req
 from pd_cache.core.stats import Stats
 from pd_cache.core.vocab import Event, MissReason, Tier
 from pd_cache.kv import CacheKey, MatchResult, PagePool, RadixCache, SlotError
+from pd_cache.kv.pages import check_pages, kv_to_pages, num_pages_for, pages_to_kv
 from pd_cache.kv.pool import device_pool, host_pool
 from pd_cache.kv.state import StatePool, checkpoints
 from pd_cache.metrics import PDCacheMetrics
+from pd_cache.model.digest import model_layout
+from pd_cache.model.hf_model import build_model
+from pd_cache.model.model import sample
 from pd_cache.storage.base import StorageBackend
 from pd_cache.tiering.controller import CacheController
 from pd_cache.tiering.offload import DecodeOffloadManager
 from pd_cache.worker.decoding import Decoding
-from pd_cache.worker.digest import model_layout
-from pd_cache.worker.hf_model import build_model
-from pd_cache.worker.model import check_pages, kv_to_pages, num_pages_for, pages_to_kv, sample
 from pd_cache.worker.outputs import PrefillOutput, PromptState, Result, StoredPages
 
 log = logging.getLogger(__name__)

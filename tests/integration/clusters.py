@@ -14,7 +14,7 @@ from typing import Any
 
 from pd_cache.core.request import Req
 from pd_cache.core.wire import Completion
-from pd_cache.worker.model import Model, reference_generate
+from pd_cache.model.model import Model, reference_generate
 
 _ids = itertools.count()
 

@@ -19,7 +19,7 @@ def running_app(args: Mapping[str, Any], name: str) -> Iterator[str]:
     """The pd-cache app built from ``args``, served as ``name``; yields its base URL."""
     from ray import serve
 
-    from pd_cache.cluster.serve import app_builder
+    from pd_cache.front.serve import app_builder
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -14,7 +14,7 @@ from pd_cache.cluster.pd_cluster import PDCluster
 from pd_cache.core.cluster_config import ClusterConfig
 from pd_cache.core.request import Req
 from pd_cache.core.wire import Completion
-from pd_cache.worker.model import Model
+from pd_cache.model.model import Model
 from tests.integration import clusters
 from tests.integration.clusters import assert_idle, expected, request
 

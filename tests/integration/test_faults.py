@@ -21,7 +21,7 @@ import pytest
 from pd_cache import ClusterConfig, Completion, PDCluster, Req
 from pd_cache.core.request import DeadlineExceeded, SamplingParams
 from pd_cache.core.vocab import DEADLINE, DECODE
-from pd_cache.worker.model import Model, reference_generate
+from pd_cache.model.model import Model, reference_generate
 from tests.integration.clusters import (
     assert_idle,
     expected,

@@ -12,8 +12,8 @@ import pytest
 
 from pd_cache.cluster.pd_cluster import PDCluster
 from pd_cache.core.cluster_config import ClusterConfig
-from pd_cache.core.hf_tokenizer import HFTokenizer
 from pd_cache.core.request import Req
+from pd_cache.front.hf_tokenizer import HFTokenizer
 from tests.hf_checkpoints import assert_matches, hf_generate
 from tests.integration import clusters
 from tests.integration.clusters import assert_idle, request

@@ -14,10 +14,10 @@ from pd_cache.cluster.pd_cluster import PDCluster
 from pd_cache.core.cluster_config import ClusterConfig
 from pd_cache.core.request import Req
 from pd_cache.core.vocab import STATE
+from pd_cache.model.model import Model
 from pd_cache.storage.client import StorageClient
 from pd_cache.storage.tier import storage_actors
 from pd_cache.worker.engine import LocalEngine
-from pd_cache.worker.model import Model
 from tests.integration import clusters
 from tests.integration.clusters import expected, request, stream_killing_decode, wait_healthy
 from tests.unit.storage.test_storage_v2 import Recorder

@@ -29,7 +29,7 @@ from pd_cache.cluster.pd_cluster import PDCluster
 from pd_cache.core.cluster_config import ClusterConfig
 from pd_cache.core.request import Req
 from pd_cache.metrics import RAY_PREFIX
-from pd_cache.worker.model import Model, reference_generate
+from pd_cache.model.model import Model, reference_generate
 
 ray = pytest.importorskip("ray")
 

@@ -22,7 +22,7 @@ from pd_cache.app.workload import WorkloadConfig, make_conversations
 from pd_cache.cluster.pd_cluster import PDCluster
 from pd_cache.core.cluster_config import ClusterConfig
 from pd_cache.core.request import Req
-from pd_cache.worker.model import Model, reference_generate
+from pd_cache.model.model import Model, reference_generate
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from pd_cache import ModelConfig, Req, reference_generate
-from pd_cache.core.tokenizer import ByteTokenizer
-from pd_cache.worker.model import Model
+from pd_cache.front.tokenizer import ByteTokenizer
+from pd_cache.model.model import Model
 
 openai = pytest.importorskip("openai")
 serve = pytest.importorskip("ray.serve")

@@ -23,12 +23,12 @@ import yaml
 
 from pd_cache.core.config import ModelConfig
 from pd_cache.core.request import Req
-from pd_cache.worker.model import Model, reference_generate
+from pd_cache.model.model import Model, reference_generate
 
 serve = pytest.importorskip("ray.serve")
 ray = pytest.importorskip("ray")
 
-from pd_cache.cluster.serve import AppArgs, app_builder  # noqa: E402  (needs ray[serve])
+from pd_cache.front.serve import AppArgs, app_builder  # noqa: E402  (needs ray[serve])
 from tests.integration.serving import free_port  # noqa: E402
 
 SERVE_CONFIG = Path(__file__).resolve().parents[2] / "deployments" / "serve_config.yaml"
@@ -240,7 +240,7 @@ def test_skipped_manifest_schema_check_now_runs() -> None:
     from ray.serve.schema import ServeDeploySchema
 
     schema = ServeDeploySchema.model_validate(yaml.safe_load(SERVE_CONFIG.read_text()))
-    assert schema.applications[0].import_path == "pd_cache.cluster.serve:app"
+    assert schema.applications[0].import_path == "pd_cache.front.serve:app"
 
 
 def test_deployments_config_builds_through_app_builder() -> None:

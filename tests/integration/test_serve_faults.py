@@ -19,7 +19,7 @@ import pytest
 
 from pd_cache import ModelConfig, PDCluster, Req, reference_generate
 from pd_cache.cluster.operations import NAMESPACE
-from pd_cache.worker.model import Model
+from pd_cache.model.model import Model
 
 serve = pytest.importorskip("ray.serve")
 ray = pytest.importorskip("ray")

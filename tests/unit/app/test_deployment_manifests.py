@@ -56,7 +56,7 @@ def test_serve_config_names_the_app_and_valid_args():
     config = yaml.safe_load(SERVE_CONFIG.read_text())
     (app,) = config["applications"]
     assert (app["name"], app["route_prefix"], app["import_path"]) == (
-        "pd-cache", "/", "pd_cache.cluster.serve:app")
+        "pd-cache", "/", "pd_cache.front.serve:app")
     args = app["args"]
     assert args["model"] in MODEL_PRESETS
     for key in ("num_prefill", "num_decode", "num_storage", "page_size"):
@@ -75,7 +75,7 @@ def test_serve_config_passes_ray_serve_schema():
     from ray.serve.schema import ServeDeploySchema
 
     schema = ServeDeploySchema.model_validate(yaml.safe_load(SERVE_CONFIG.read_text()))
-    assert schema.applications[0].import_path == "pd_cache.cluster.serve:app"
+    assert schema.applications[0].import_path == "pd_cache.front.serve:app"
 
 
 def test_rayservice_embeds_the_serve_config_verbatim():

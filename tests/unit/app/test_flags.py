@@ -69,7 +69,7 @@ def test_backend_names_validate_against_the_one_registry() -> None:
 
 def test_serve_args_are_the_config_fields_plus_the_ingress_knobs() -> None:
     pytest.importorskip("ray.serve")
-    from pd_cache.cluster.app_args import AppArgs, IngressConfig
+    from pd_cache.front.app_args import AppArgs, IngressConfig
 
     every = {f.name: getattr(ClusterConfig(model="tiny"), f.name)
              for f in dataclasses.fields(ClusterConfig)}

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from pd_cache.app.cli import load_serve_config, with_api_keys
-from pd_cache.cluster.app_args import AppArgs
+from pd_cache.app.serve import load_serve_config, with_api_keys
+from pd_cache.front.app_args import AppArgs
 
 CONFIG = Path(__file__).resolve().parents[3] / "deployments" / "serve_config.yaml"
 

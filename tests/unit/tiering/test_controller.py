@@ -21,12 +21,12 @@ from pd_cache.core.config import CacheConfig, ModelConfig, PDCacheConfig, Storag
 from pd_cache.core.hashing import page_hashes
 from pd_cache.core.request import Req
 from pd_cache.core.vocab import PREFETCH_ACK, PREFETCH_BATCH, Event, MissReason
+from pd_cache.model.model import reference_generate
 from pd_cache.storage import make_backend
 from pd_cache.storage.base import ExtraInfo, Pending, PoolTransfer, StorageBackend
 from pd_cache.storage.record import PageRecord
 from pd_cache.tiering.controller import CacheController
 from pd_cache.worker.engine import LocalEngine
-from pd_cache.worker.model import reference_generate
 
 PS = 4
 TINY = ModelConfig.preset("tiny")

@@ -14,11 +14,11 @@ from pd_cache.core.hashing import namespace_seed, page_hashes
 from pd_cache.core.request import Req
 from pd_cache.core.vocab import Event, MissReason
 from pd_cache.kv import CacheKey
+from pd_cache.model.model import Model, reference_generate
 from pd_cache.storage import make_backend
 from pd_cache.storage.base import ExtraInfo, PoolTransfer
 from pd_cache.worker import engine as engine_module
 from pd_cache.worker.engine import LocalEngine
-from pd_cache.worker.model import Model, reference_generate
 from pd_cache.worker.workers import DecodeWorker, PrefillWorker
 from tests.unit.tiering.test_controller import Wrapper
 

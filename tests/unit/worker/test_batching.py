@@ -11,10 +11,10 @@ import pytest
 from pd_cache.core.hashing import page_hashes
 from pd_cache.core.request import Req, SamplingParams
 from pd_cache.core.vocab import GENERATED, OFFLOAD, PROMPT
+from pd_cache.model.model import reference_generate
 from pd_cache.storage import make_backend
 from pd_cache.worker.batching import DecodeBatcher
 from pd_cache.worker.engine import LocalEngine
-from pd_cache.worker.model import reference_generate
 from tests.unit.tiering.test_controller import PS, config
 from tests.unit.worker.test_workers import CONFIG, prompt
 

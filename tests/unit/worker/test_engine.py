@@ -13,9 +13,9 @@ from pd_cache.core.hashing import page_hashes
 from pd_cache.core.request import Req, SamplingParams
 from pd_cache.core.vocab import Event, Tier
 from pd_cache.kv import CacheKey, SlotError, kv_to_pages
+from pd_cache.model.model import Generation, Model, reference_generate
 from pd_cache.storage import make_backend
 from pd_cache.worker.engine import LocalEngine
-from pd_cache.worker.model import Generation, Model, reference_generate
 
 PS = 4
 TINY = ModelConfig.preset("tiny")

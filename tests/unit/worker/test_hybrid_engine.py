@@ -19,11 +19,11 @@ from pd_cache.core.config import CacheConfig, ModelConfig, PDCacheConfig, Storag
 from pd_cache.core.hashing import namespace_seed, page_hashes
 from pd_cache.core.request import Req
 from pd_cache.core.vocab import STATE, MissReason
+from pd_cache.model.model import Model, reference_generate
 from pd_cache.storage import STATE_POOL, PoolTransfer, StorageBackend, make_backend
 from pd_cache.storage.disk import DiskBackend
 from pd_cache.storage.record import PageRecord, make_record
 from pd_cache.worker.engine import LocalEngine
-from pd_cache.worker.model import Model, reference_generate
 from pd_cache.worker.workers import DecodeWorker, PrefillWorker
 from tests.unit.tiering.test_controller import Wrapper
 

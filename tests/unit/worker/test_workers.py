@@ -15,8 +15,8 @@ from pd_cache.core.config import CacheConfig, ModelConfig, PDCacheConfig, Storag
 from pd_cache.core.hashing import page_hashes
 from pd_cache.core.request import Req
 from pd_cache.metrics import PDCacheMetrics
+from pd_cache.model.model import Model, reference_generate
 from pd_cache.storage import make_backend
-from pd_cache.worker.model import Model, reference_generate
 from pd_cache.worker.workers import DecodeWorker, PrefillWorker
 
 PS = 4

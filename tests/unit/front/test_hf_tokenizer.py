@@ -12,8 +12,8 @@ import sys
 import pytest
 
 from pd_cache.core.config import ModelConfig
-from pd_cache.core.hf_tokenizer import HFTokenizer, tokenizer_for
-from pd_cache.core.tokenizer import ByteTokenizer, StreamDecoder
+from pd_cache.front.hf_tokenizer import HFTokenizer, tokenizer_for
+from pd_cache.front.tokenizer import ByteTokenizer, StreamDecoder
 
 TEXT = "héllo ☃ wörld, the cache keeps pages! 漢字"
 
@@ -66,8 +66,8 @@ for name in ("transformers", "safetensors", "tokenizers"):
     sys.modules[name] = None          # any import of them now raises ImportError
 import pd_cache
 from pd_cache import ClusterConfig, LocalEngine, Req
-from pd_cache.core.hf_tokenizer import tokenizer_for
-from pd_cache.worker.hf_model import HFModel
+from pd_cache.front.hf_tokenizer import tokenizer_for
+from pd_cache.model.hf_model import HFModel
 cfg = ClusterConfig(model="tiny", page_size=4).pd_config
 engine = LocalEngine(cfg)
 print(engine.generate(Req(rid="r", input_ids=[1, 2, 3, 4, 5], max_new_tokens=3)).output_ids)

@@ -23,7 +23,7 @@ from torch import nn
 
 from pd_cache.core.config import KVLayout, ModelConfig, PDCacheConfig
 from pd_cache.core.pretrained import checkpoint_digest
-from pd_cache.worker.model import Model
+from pd_cache.model.model import Model
 
 
 def weights_digest(model: nn.Module) -> str:

@@ -16,7 +16,7 @@ from typing import Any
 
 from pd_cache.core.config import ModelConfig
 from pd_cache.core.pretrained import TOKENIZER_FILES, eos_token_ids
-from pd_cache.core.tokenizer import REPLACEMENT, ROLES, ByteTokenizer
+from pd_cache.front.tokenizer import REPLACEMENT, ROLES, ByteTokenizer
 
 
 class HFTokenizer:

@@ -11,9 +11,9 @@
 
 With an API-key file (``api_keys_file``, ``PD_CACHE_API_KEYS_FILE``) every ``/v1`` route
 needs ``Authorization: Bearer <key>`` and the namespace is derived from the key's tenant
-(``pd_cache.cluster.tenants``); without one the server is open (loopback only). At most
+(``pd_cache.front.tenants``); without one the server is open (loopback only). At most
 ``max_pending`` requests are admitted at once; beyond that, 429 with ``Retry-After``.
-Errors are OpenAI's shape (``pd_cache.cluster.http``). Streams are Server-Sent Events,
+Errors are OpenAI's shape (``pd_cache.front.http``). Streams are Server-Sent Events,
 one chunk per token as decode draws it (``PDCluster.stream``); a client that goes away
 cancels its request's decode.
 
@@ -34,16 +34,16 @@ from typing import Any
 import msgspec
 from ray import serve
 
-from pd_cache.cluster import openai
-from pd_cache.cluster.app_args import AppArgs, IngressConfig
 from pd_cache.cluster.health import WorkerDied
-from pd_cache.cluster.http import HTTPError, check_rid, decode_json, read_body, value_error
 from pd_cache.cluster.pd_cluster import PDCluster
 from pd_cache.cluster.router import NoLiveWorker
-from pd_cache.cluster.tenants import KEYS_ENV, Tenant, Tenants, Unauthorized
-from pd_cache.core.hf_tokenizer import tokenizer_for
 from pd_cache.core.request import DeadlineExceeded, Req, SamplingParams
 from pd_cache.core.wire import Completion
+from pd_cache.front import openai
+from pd_cache.front.app_args import AppArgs, IngressConfig
+from pd_cache.front.hf_tokenizer import tokenizer_for
+from pd_cache.front.http import HTTPError, check_rid, decode_json, read_body, value_error
+from pd_cache.front.tenants import KEYS_ENV, Tenant, Tenants, Unauthorized
 
 log = logging.getLogger(__name__)
 

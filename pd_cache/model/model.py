@@ -12,7 +12,7 @@ needs besides its KV: ``forward`` takes the state after the prefix and returns t
 after the new tokens, and after any of them asked for (``state_at``: page boundaries).
 
 KV goes in and out contiguous, ``[2, L, T, Hkv, D]`` (L: the attention layers);
-``pd_cache.kv.pages`` (re-exported here) converts to and from pages
+``pd_cache.kv.pages`` converts to and from pages
 ``[n, 2, L, page_size, Hkv, D]`` and checks them.
 """
 
@@ -27,16 +27,8 @@ from torch import nn
 
 from pd_cache.core.config import ATTENTION, ModelConfig
 from pd_cache.core.request import Req, SamplingParams
-from pd_cache.kv.pages import (
-    KV_TORCH_DTYPES,
-    check_pages,
-    check_tensor,
-    kv_to_pages,
-    kv_torch_dtype,
-    num_pages_for,
-    pages_to_kv,
-)
-from pd_cache.worker.layers import Attention, Recurrence, RMSNorm, Rotary, weight
+from pd_cache.kv.pages import check_tensor, kv_torch_dtype
+from pd_cache.model.layers import Attention, Recurrence, RMSNorm, Rotary, weight
 
 
 class ForwardOutput(NamedTuple):
@@ -309,7 +301,6 @@ def reference_generate(model: Model, req: Req) -> Generation:
 
 
 __all__ = [
-    "ForwardOutput", "Generation", "KV_TORCH_DTYPES", "Model", "check_kv",
-    "check_pages", "check_state", "kv_to_pages", "kv_torch_dtype", "num_pages_for", "pages_to_kv",
-    "reference_generate", "sample",
+    "ForwardOutput", "Generation", "Model", "check_kv", "check_state", "reference_generate",
+    "sample",
 ]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pd_cache.cluster.tenants import Tenant, Tenants, Unauthorized, parse_keys
+from pd_cache.front.tenants import Tenant, Tenants, Unauthorized, parse_keys
 
 
 def hmac_sha256(key: bytes, message: bytes) -> str:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from pd_cache.cluster.openai import Chunks, answer, finish_reason
 from pd_cache.core.wire import Completion
+from pd_cache.front.openai import Chunks, answer, finish_reason
 
 
 def completion(output_ids: list[int]) -> Completion:

@@ -24,8 +24,9 @@ from torch import nn
 
 from pd_cache.core.config import ModelConfig
 from pd_cache.core.pretrained import checkpoint_digest, weight_files
-from pd_cache.worker.layers import attend_step
-from pd_cache.worker.model import Model, RMSNorm, Rotary, kv_torch_dtype
+from pd_cache.kv.pages import kv_torch_dtype
+from pd_cache.model.layers import RMSNorm, Rotary, attend_step
+from pd_cache.model.model import Model
 
 LLAMA = "LlamaForCausalLM"
 
@@ -88,7 +89,7 @@ class Linear(nn.Module):
 
 class HFAttention(nn.Module):
     """Grouped-query attention with RoPE and optional biases; the KV paths of
-    ``pd_cache.worker.model.Attention`` (prefix + new tokens, one token per sequence)."""
+    ``pd_cache.model.model.Attention`` (prefix + new tokens, one token per sequence)."""
 
     def __init__(self, cfg: ModelConfig, w: Tensors, prefix: str, rotary: Rotary) -> None:
         super().__init__()

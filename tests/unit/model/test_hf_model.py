@@ -17,11 +17,11 @@ import torch
 from pd_cache.core.cluster_config import ClusterConfig
 from pd_cache.core.config import CacheConfig, ModelConfig, PDCacheConfig, StorageConfig
 from pd_cache.core.request import Req
+from pd_cache.model.digest import with_weights_digest
+from pd_cache.model.hf_model import HFModel, build_model
+from pd_cache.model.model import Model
 from pd_cache.storage import make_backend
-from pd_cache.worker.digest import with_weights_digest
 from pd_cache.worker.engine import LocalEngine
-from pd_cache.worker.hf_model import HFModel, build_model
-from pd_cache.worker.model import Model
 from tests.hf_checkpoints import assert_matches, hf_generate, hf_logits
 
 pytest.importorskip("transformers")

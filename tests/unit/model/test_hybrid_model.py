@@ -9,7 +9,7 @@ import torch
 
 from pd_cache.core.config import CacheConfig, ModelConfig, PDCacheConfig
 from pd_cache.core.request import Req
-from pd_cache.worker.model import Model, check_state, reference_generate
+from pd_cache.model.model import Model, check_state, reference_generate
 
 HYBRID = ModelConfig.preset("tiny-hybrid")
 

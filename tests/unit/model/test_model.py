@@ -13,19 +13,13 @@ import torch
 
 from pd_cache.core.config import CacheConfig, KVLayout, ModelConfig, PDCacheConfig, StorageConfig
 from pd_cache.core.request import Req, SamplingParams
+from pd_cache.kv.pages import check_pages, kv_to_pages, pages_to_kv
+from pd_cache.model import digest
+from pd_cache.model.digest import seeded_weights_digest, weights_digest, with_weights_digest
+from pd_cache.model.model import Model, reference_generate, sample
 from pd_cache.storage import make_backend
 from pd_cache.storage.tier import StorageTier
-from pd_cache.worker import digest
-from pd_cache.worker.digest import seeded_weights_digest, weights_digest, with_weights_digest
 from pd_cache.worker.engine import LocalEngine
-from pd_cache.worker.model import (
-    Model,
-    check_pages,
-    kv_to_pages,
-    pages_to_kv,
-    reference_generate,
-    sample,
-)
 from pd_cache.worker.outputs import Result
 
 CFG = ModelConfig.preset("tiny")
@@ -221,7 +215,7 @@ def test_weights_other_than_the_pinned_ones_are_refused() -> None:
 
 DIGEST_SCRIPT = """
 from pd_cache.core.config import PDCacheConfig
-from pd_cache.worker.digest import with_weights_digest
+from pd_cache.model.digest import with_weights_digest
 print(with_weights_digest(PDCacheConfig()).layout.fingerprint)
 """
 

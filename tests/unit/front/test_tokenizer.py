@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pd_cache.core.tokenizer import SPECIALS, ByteTokenizer, StreamDecoder
+from pd_cache.front.tokenizer import SPECIALS, ByteTokenizer, StreamDecoder
 
 TEXT = "naïve café ✓ 🙂 end"
 
