@@ -1,4 +1,4 @@
-"""Namespaced page-hash chains (spec v1, ``shared/design/hashing.md``).
+"""Namespaced page-hash chains (spec v1, ``docs/page-names.md``).
 
 Every KV page that leaves a process is named here, and only here::
 

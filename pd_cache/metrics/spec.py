@@ -1,10 +1,10 @@
 """The list of every pd-cache metric instrument and the vocabularies of its labels.
 
 ``METRICS`` lists every instrument once: name, kind, labels, help and buckets; tests, the
-Grafana dashboard and the README table are checked against it. Label values come from
-fixed vocabularies (``VOCABULARIES``, built from ``pd_cache.core.vocab``) and anything else
-raises ``ValueError``, so a request id, a token, a raw salt or an adapter name can never
-become a label value (each would be a new time series per request).
+Grafana dashboard and the table in ``docs/metrics.md`` are checked against it. Label values
+come from fixed vocabularies (``VOCABULARIES``, built from ``pd_cache.core.vocab``) and
+anything else raises ``ValueError``, so a request id, a token, a raw salt or an adapter name
+can never become a label value (each would be a new time series per request).
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def exported_series(prefix: str = "") -> frozenset[str]:
 
 
 def markdown_table() -> str:
-    """The README's metrics table, generated from ``METRICS``."""
+    """The metrics table of ``docs/metrics.md``, generated from ``METRICS``."""
     rows = ["| name | kind | labels | meaning |", "|---|---|---|---|"]
     for s in METRICS:
         labels = ", ".join(s.labels) or "-"

@@ -15,7 +15,7 @@ from pd_cache.worker.engine import LocalEngine
 from pd_cache.worker.workers import DecodeWorker, PrefillWorker
 from tests.unit.tiering.test_controller import PS, Faulty, SetGate, config, prompt
 
-README = Path(__file__).resolve().parents[3] / "README.md"
+METRICS_DOC = Path(__file__).resolve().parents[3] / "docs" / "metrics.md"
 
 
 def value(m: PDCacheMetrics, name: str, **labels: str) -> float:
@@ -111,7 +111,7 @@ def test_a_refused_write_is_counted_by_outcome() -> None:
         assert sum(by_outcome(m, "pd_cache_backup_pages_total").values()) == stored
 
 
-def test_the_readme_table_is_the_generated_one() -> None:
-    text = README.read_text()
+def test_the_docs_table_is_the_generated_one() -> None:
+    text = METRICS_DOC.read_text()
     assert markdown_table() in text
     assert all(f"`{spec.name}`" in text for spec in METRICS)
