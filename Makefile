@@ -13,8 +13,10 @@ $(PY):
 	python3 -m venv $(VENV)
 	$(PIP) install --quiet $(TORCH)
 
+# NOTE: `make run` writes plots, so its install has the plots extra (matplotlib);
+# `pip install pd-cache` stays without it and `pd-cache bench` then skips the plots.
 $(VENV)/.installed: pyproject.toml setup.py pd_cache/core/_chain.c | $(PY)
-	$(PIP) install --quiet -e .
+	$(PIP) install --quiet -e '.[plots]'
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml setup.py pd_cache/core/_chain.c | $(PY)

@@ -9,7 +9,7 @@ from pd_cache.app import names, run, serve, tiny_checkpoint
 from pd_cache.app.bench import cli as bench_cli
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pd-cache", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     run_parser = sub.add_parser(
@@ -28,7 +28,11 @@ def main(argv: list[str] | None = None) -> int:
     make = sub.add_parser("make-checkpoint", help="write a tiny random Llama or Qwen2 "
                                                   "checkpoint to try --model DIR (hf extra)")
     tiny_checkpoint.add_arguments(make)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     commands = {"run": run.run, "names": names.run, "serve": serve.run, "bench": bench_cli.run,
                 "make-checkpoint": tiny_checkpoint.run}
     try:

@@ -20,29 +20,38 @@ T = TypeVar("T")
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, cls: type,
-                         group: str | None = None) -> None:
-    """One flag per field of the dataclass ``cls``."""
+                         group: str | None = None, *, overrides: bool = False) -> None:
+    """One flag per field of the dataclass ``cls``. ``overrides``: a flag has no default and
+    only the flags given reach the namespace (``given_fields`` reads them), for values that
+    override another source's (a Serve config's ``args``)."""
     target: Any = parser.add_argument_group(group) if group else parser
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
         kind = str(f.type)
-        text = help_of(f)
+        default = argparse.SUPPRESS if overrides else f.default
+        text = help_of(f) + (" (default: the config's value)" if overrides
+                             else " (default: %(default)s)")
         if kind == "bool":
             target.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
-                                default=f.default, help=f"{text} (default: %(default)s)")
+                                default=default, help=text)
             continue
         choices = f.metadata.get("choices")
-        target.add_argument(flag, dest=f.name, default=f.default,
+        target.add_argument(flag, dest=f.name, default=default,
                             metavar=None if choices else _metavar(kind),
                             type=_reader(flag, kind, f.metadata.get("check")),
-                            choices=choices,
-                            help=f"{text} (default: %(default)s)")
+                            choices=choices, help=text)
 
 
 def config_from_args(cls: type[T], args: argparse.Namespace) -> T:
     """The dataclass ``cls`` from the parsed flags ``add_config_arguments`` added."""
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     return cls(**values)
+
+
+def given_fields(cls: type, args: argparse.Namespace) -> dict[str, Any]:
+    """The fields of ``cls`` given on the command line (flags added with ``overrides``)."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+            if hasattr(args, f.name)}
 
 
 def _reader(flag: str, kind: str, check: Any = None) -> Any:

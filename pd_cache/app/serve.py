@@ -7,13 +7,25 @@ import argparse
 import importlib
 import os
 import signal
+import sys
 import threading
 from pathlib import Path
 from typing import Any
 
-from pd_cache.app.session import ray_session
+from pd_cache.app.flags import add_config_arguments, given_fields
+from pd_cache.app.session import LOOPBACK, ray_session
+from pd_cache.core.cluster_config import ClusterConfig
 
-DEFAULT_HOST = "127.0.0.1"
+DEFAULT_HOST = LOOPBACK
+PD_CACHE_APP = "pd_cache.front.serve:app"
+START_FAILED = """\
+pd-cache serve: a Ray Serve actor died while the applications started ({error}).
+Serve health-checks its proxy and controller from the start (ready within 5 s, then checks
+every 10 s); on a machine busy with other work, or with fewer CPUs than the workers the
+config asks for, they miss those checks and Serve kills them. Try: again once the machine
+is quieter; fewer workers (--num-prefill 1 --num-decode 1); more time for the checks
+(RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S=30 RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S=30 in
+the environment). Ray's logs: /tmp/ray/session_latest/logs (proxy_*.log, controller_*.log)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,6 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="API-key file (JSON: key -> tenant); without one (and without "
                              "PD_CACHE_API_KEYS_FILE) the server is open and binds loopback "
                              "only")
+    parser.add_argument("--dashboard", action="store_true",
+                        help="start the Ray dashboard with the local cluster (on 127.0.0.1)")
+    add_config_arguments(parser, ClusterConfig, f"the cluster: override the args of the "
+                         f"config's pd-cache application ({PD_CACHE_APP})", overrides=True)
 
 
 def load_serve_config(path: str | os.PathLike[str]) -> Any:
@@ -59,29 +75,59 @@ def build_application(app: Any) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ray.exceptions import RayActorError
+
+    config = with_cluster_flags(load_serve_config(args.config),
+                                given_fields(ClusterConfig, args))
+    config = with_api_keys(config, args.api_keys, args.host)
+    apps = [(a, build_application(a)) for a in config.applications]  # bad args fail here
+    with ray_session(args.address, dashboard=args.dashboard,
+                     runtime_env=_runtime_env(config)):
+        try:
+            _serve(config, apps, args)
+        except RayActorError as exc:
+            error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
+            print(START_FAILED.format(error=error), file=sys.stderr, flush=True)
+            return 1
+    return 0
+
+
+def _serve(config: Any, apps: list[tuple[Any, Any]], args: argparse.Namespace) -> None:
+    """Start Serve, deploy ``apps`` and serve until stopped; then remove what it started."""
     from ray import serve
 
-    config = with_api_keys(load_serve_config(args.config), args.api_keys, args.host)
     http = config.http_options.model_dump(exclude_unset=True)
     port = args.port if args.port is not None else config.http_options.port
     http.update(host=args.host, port=port)
-    apps = [(a, build_application(a)) for a in config.applications]  # bad args fail here
-    with ray_session(args.address, runtime_env=_runtime_env(config)):
-        serve.start(http_options=http, proxy_location=config.proxy_location)
-        try:
-            for entry, application in apps:
-                serve.run(application, name=entry.name, route_prefix=entry.route_prefix)
-                print(f"{entry.name}: http://{_url_host(args.host)}:{port}{entry.route_prefix}",
-                      flush=True)
-            _wait_for_stop()
-        finally:
-            if args.address:  # a shared cluster: remove only what this command deployed
-                for entry, _ in apps:
-                    serve.delete(entry.name)
-                _destroy_named_clusters(config)
-            else:
-                serve.shutdown()
-    return 0
+    serve.start(http_options=http, proxy_location=config.proxy_location)
+    try:
+        for entry, application in apps:
+            serve.run(application, name=entry.name, route_prefix=entry.route_prefix)
+            print(f"{entry.name}: http://{_url_host(args.host)}:{port}{entry.route_prefix}",
+                  flush=True)
+        _wait_for_stop()
+    finally:
+        if args.address:  # a shared cluster: remove only what this command deployed
+            for entry, _ in apps:
+                serve.delete(entry.name)
+            _destroy_named_clusters(config)
+        else:
+            serve.shutdown()
+
+
+def with_cluster_flags(config: Any, flags: dict[str, Any]) -> Any:
+    """The config with ``flags`` (``ClusterConfig`` fields) over the ``args`` of every
+    pd-cache application; ``ValueError`` if flags are given and it has none."""
+    if not flags:
+        return config
+    entries = [a for a in config.applications if a.import_path == PD_CACHE_APP]
+    if not entries:
+        flag = "--" + next(iter(flags)).replace("_", "-")
+        raise ValueError(f"{flag}: the config has no pd-cache application "
+                         f"(import_path {PD_CACHE_APP}) whose args it could set")
+    for entry in entries:
+        entry.args = {**(entry.args or {}), **flags}
+    return config
 
 
 def with_api_keys(config: Any, keys_file: str | None, host: str) -> Any:

@@ -50,6 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     local = parser.add_argument_group("local target: the cluster")
     local.add_argument("--address", default=None,
                        help="join this Ray cluster instead of starting a local one")
+    local.add_argument("--dashboard", action="store_true",
+                       help="start the Ray dashboard with the local cluster (on 127.0.0.1)")
     local.add_argument("--compare-no-cache", action="store_true",
                        help="run the same arrivals again on a cluster with the cache off")
     add_config_arguments(local, ClusterConfig)
@@ -200,7 +202,8 @@ def run_local(cfg: ClusterConfig, args: argparse.Namespace, workload: Workload,
     from pd_cache.cluster.pd_cluster import PDCluster
 
     servers: list[Server] = []
-    with ray_session(args.address, metrics_interval_ms=1000):
+    with ray_session(args.address, dashboard=args.dashboard,
+                     metrics_interval_ms=1000) as session:
         for cache in (True, False) if args.compare_no_cache else (True,):
             config = dataclasses.replace(cfg, cache=cache)
             print(f"starting {config.num_prefill} prefill + {config.num_decode} decode + "
@@ -208,7 +211,7 @@ def run_local(cfg: ClusterConfig, args: argparse.Namespace, workload: Workload,
                   f"(model {config.model}, cache {'on' if cache else 'off'})", flush=True)
             cluster = PDCluster.start(config)
             try:
-                server = Server(LocalTarget(cluster), metrics_url=_local_metrics_url(),
+                server = Server(LocalTarget(cluster), metrics_url=session.metrics_url,
                                 flush=cluster.flush, label=cache,
                                 export_interval_s=config.metrics_interval_s + 1.5)
                 server.summaries = asyncio.run(bench(server, workload, warmup, load, report))
@@ -232,17 +235,6 @@ def run_http(args: argparse.Namespace, workload: Workload, warmup: Workload, loa
             await target.close()
     server.summaries = asyncio.run(go())
     return [server]
-
-
-def _local_metrics_url() -> str | None:
-    """The Prometheus endpoint of this Ray node's metrics agent (``None``: none runs)."""
-    import ray
-
-    for node in ray.nodes():
-        port = node.get("MetricsExportPort")
-        if node.get("Alive") and port:
-            return f"http://{node['NodeManagerAddress']}:{port}/metrics"
-    return None
 
 
 def _l3_tokens(cfg: ClusterConfig) -> int | None:

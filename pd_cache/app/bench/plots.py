@@ -1,9 +1,10 @@
 """Figures of a bench run and of a rate sweep, as small PNGs beside ``summary.json``.
 
-matplotlib is imported inside the functions (it is in the ``test`` extra only), and used
-through ``Figure`` with the Agg canvas, never ``pyplot``: no global backend to switch, no
-figure kept alive after it is saved. Without matplotlib each function raises
-``RuntimeError`` saying what to install; the caller reports it and skips the plots.
+matplotlib is imported inside the functions (the ``plots`` extra, which ``make run``
+installs; not a base dependency), and used through ``Figure`` with the Agg canvas, never
+``pyplot``: no global backend to switch, no figure kept alive after it is saved. Without
+matplotlib each function raises ``RuntimeError`` saying what to install; the caller reports
+it and skips the plots.
 """
 
 from __future__ import annotations
@@ -69,8 +70,9 @@ def _figure_class() -> Any:
     try:
         from matplotlib.figure import Figure
     except ImportError as e:
-        raise RuntimeError("plots need matplotlib: pip install matplotlib (or install "
-                           "pd-cache with its test extra: pip install 'pd-cache[test]')") from e
+        raise RuntimeError("plots need matplotlib, which make run installs: pip install -e "
+                           "'.[plots]' (or pip install 'pd-cache[plots]'); the numbers are "
+                           "written without it") from e
     return Figure
 
 

@@ -30,9 +30,9 @@ def test_importing_the_bench_results_side_imports_no_heavy_module():
 
 def test_without_matplotlib_the_plots_say_what_to_install(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)   # import raises ImportError
-    with pytest.raises(RuntimeError, match="pip install matplotlib"):
+    with pytest.raises(RuntimeError, match=r"pip install -e '\.\[plots\]'"):
         plots.plot_run(run_records(), run_summary(), tmp_path)
-    with pytest.raises(RuntimeError, match="pip install matplotlib"):
+    with pytest.raises(RuntimeError, match=r"pip install -e '\.\[plots\]'"):
         plots.plot_sweep([], tmp_path)
 
 

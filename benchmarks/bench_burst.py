@@ -1,0 +1,190 @@
+"""The HTTP front under a burst and under slow clients, on 127.0.0.1 only.
+
+Serves the pd-cache app (tiny model, 1 prefill + 1 decode, no L3) through Serve's proxy on a
+throwaway cluster, then:
+
+1. **burst**: ``--burst`` connections at once, each sending one completion (most get 429
+   beyond ``max_pending``), then ``--requests`` more, ``--concurrency`` at a time. The
+   resident memory (VmRSS) of the ingress replica and of the proxy is read before, right
+   after, and ``--settle-s`` later: ``burst_rss_growth_mib`` is the growth still there at
+   the end (goal <= 30 MiB per process).
+2. **slow clients**: ``--slow`` connections that send half a request head and nothing more,
+   and as many that send nothing; after ``--slow-wait-s`` it counts those the server still
+   holds open, and times one ordinary request sent meanwhile.
+
+Fixed seed; bounded in count and time; writes benchmarks/results/burst.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from pd_cache.app.session import ray_session
+
+SEED = 2024
+RESULTS = Path(__file__).parent / "results" / "burst.json"
+PROCESSES = {"ingress": "ray::ServeReplica:burst:PDCacheIngress", "proxy": "ray::ProxyActor"}
+ARGS = {"model": "tiny", "page_size": 4, "num_prefill": 1, "num_decode": 1, "num_storage": 0,
+        "cluster_name": None}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        line = next(x for x in f if x.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+
+
+def find_pids() -> dict[str, int]:
+    """The pid of each process of ``PROCESSES``, by the title Ray gives it."""
+    found = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                title = f.read().split(b"\0")[0].decode(errors="replace").strip()
+        except OSError:
+            continue
+        for name, prefix in PROCESSES.items():
+            if title.startswith(prefix):
+                found[name] = int(entry)
+    missing = set(PROCESSES) - set(found)
+    if missing:
+        raise RuntimeError(f"no process titled {[PROCESSES[m] for m in missing]}")
+    return found
+
+
+async def one(session: aiohttp.ClientSession, url: str, rng: random.Random) -> int:
+    body = {"model": "tiny", "prompt": [rng.randrange(256) for _ in range(24)],
+            "max_tokens": 2, "cache_salt": f"t{rng.randrange(16)}"}
+    try:
+        async with session.post(f"{url}/v1/completions", json=body) as r:
+            await r.read()
+            return r.status
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return 0
+
+
+async def burst(url: str, args: argparse.Namespace) -> dict[str, Any]:
+    rng = random.Random(SEED)
+    timeout = aiohttp.ClientTimeout(total=args.request_timeout_s)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=timeout) as session:
+        start = time.perf_counter()
+        statuses = await asyncio.gather(*(one(session, url, rng) for _ in range(args.burst)))
+        burst_s = time.perf_counter() - start
+    gate = asyncio.Semaphore(args.concurrency)
+
+    async def gated(session: aiohttp.ClientSession) -> int:
+        async with gate:
+            return await one(session, url, rng)
+
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        start = time.perf_counter()
+        after = await asyncio.gather(*(gated(session) for _ in range(args.requests)))
+        follow_s = time.perf_counter() - start
+    count = lambda xs: {str(s): xs.count(s) for s in sorted(set(xs))}  # noqa: E731
+    return {"burst_statuses": count(statuses), "burst_s": round(burst_s, 2),
+            "follow_statuses": count(after), "follow_s": round(follow_s, 2)}
+
+
+async def slow_clients(url: str, port: int, args: argparse.Namespace) -> dict[str, Any]:
+    half = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: applic"
+    conns = []
+    for i in range(2 * args.slow):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        if i < args.slow:
+            writer.write(half)
+            await writer.drain()
+        conns.append((reader, writer))
+    await asyncio.sleep(args.slow_wait_s / 2)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        start = time.perf_counter()
+        status = await one(session, url, random.Random(SEED))
+        ordinary_ms = (time.perf_counter() - start) * 1e3
+    await asyncio.sleep(args.slow_wait_s / 2)
+    open_after = [await _still_open(reader) for reader, _ in conns]
+    for _, writer in conns:
+        writer.close()
+    return {"slow_clients": args.slow, "slow_wait_s": args.slow_wait_s,
+            "half_head_open_after_wait": sum(open_after[:args.slow]),
+            "silent_open_after_wait": sum(open_after[args.slow:]),
+            "ordinary_request_status": status, "ordinary_request_ms": round(ordinary_ms, 1)}
+
+
+async def _still_open(reader: asyncio.StreamReader) -> bool:
+    """The server has not closed it: a read neither ends nor fails within 50 ms."""
+    try:
+        await asyncio.wait_for(reader.read(1), 0.05)
+        return False   # b"" (closed) or an answer (a 408/400 before closing)
+    except asyncio.TimeoutError:
+        return True
+    except OSError:
+        return False
+
+
+def sample(pids: dict[str, int]) -> dict[str, float]:
+    return {name: round(rss_mib(pid), 1) for name, pid in pids.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--burst", type=int, default=1000)
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--settle-s", type=float, default=60.0)
+    parser.add_argument("--request-timeout-s", type=float, default=120.0)
+    parser.add_argument("--slow", type=int, default=200)
+    parser.add_argument("--slow-wait-s", type=float, default=30.0)
+    args = parser.parse_args()
+    for name in ("burst", "requests", "concurrency", "slow"):
+        if not 0 < getattr(args, name) <= 5000:
+            parser.error(f"--{name}: 1-5000")
+    if not 0 <= args.settle_s <= 600 or not 0 < args.slow_wait_s <= 300:
+        parser.error("--settle-s: 0-600, --slow-wait-s: 1-300")
+    from ray import serve
+
+    from pd_cache.front.serve import app_builder
+
+    port = free_port()
+    with ray_session(None):
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(app_builder(ARGS), name="burst", route_prefix="/")
+        url = f"http://127.0.0.1:{port}"
+        pids = find_pids()
+        asyncio.run(burst(url, argparse.Namespace(**{**vars(args), "burst": 32,
+                                                     "requests": 64})))   # warm both up
+        before = sample(pids)
+        load = asyncio.run(burst(url, args))
+        after = sample(pids)
+        time.sleep(args.settle_s)
+        settled = sample(pids)
+        slow = asyncio.run(slow_clients(url, port, args))
+        serve.shutdown()
+    growth = {name: round(settled[name] - before[name], 1) for name in pids}
+    result = {"config": {**vars(args), "seed": SEED, "app_args": ARGS,
+                         "python": platform.python_version(), "cpus": os.cpu_count()},
+              "rss_mib": {"before": before, "after_burst": after, "settled": settled},
+              "burst_rss_growth_mib": growth, "goal_mib": 30, **load, **slow}
+    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
