@@ -11,7 +11,7 @@ from pd_cache.core.vocab import PREFETCH_ACK, PREFETCH_BATCH, Event, MissReason
 from pd_cache.storage.client import StorageClient
 from pd_cache.storage.tier import storage_actors
 from pd_cache.worker.engine import LocalEngine
-from tests.unit.tiering.test_controller import PS, assert_clean, config, prompt, reference
+from tests.unit.tiering.fakes import PS, assert_clean, config, prompt, reference
 
 ray = pytest.importorskip("ray")
 

@@ -20,9 +20,9 @@ from pd_cache.storage.tier import storage_actors
 from pd_cache.worker.engine import LocalEngine
 from tests.integration import clusters
 from tests.integration.clusters import expected, request, stream_killing_decode, wait_healthy
-from tests.unit.storage.test_storage_v2 import Recorder
-from tests.unit.tiering.test_hybrid_calls import NAMES, WRITE_RUNS, P, check_calls
-from tests.unit.tiering.test_hybrid_calls import config as calls_config
+from tests.unit.tiering.fakes import Recorder
+from tests.unit.tiering.hybrid_calls import NAMES, WRITE_RUNS, P, check_calls
+from tests.unit.tiering.hybrid_calls import config as calls_config
 
 ray = pytest.importorskip("ray")
 

@@ -12,24 +12,20 @@ queries must be exported, and still be after the storage actor restarts.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import random
-import re
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from pd_cache.cluster.pd_cluster import PDCluster
 from pd_cache.core.cluster_config import ClusterConfig
 from pd_cache.core.request import Req
-from pd_cache.metrics import RAY_PREFIX
 from pd_cache.model.model import Model, reference_generate
+from tests.integration.metrics_port import missing_series, samples
 
 ray = pytest.importorskip("ray")
 
@@ -39,7 +35,6 @@ CONFIG = ClusterConfig(num_prefill=2, num_decode=1, num_storage=1, model="tiny",
                        metrics_interval_s=0.5)
 VOCAB = CONFIG.pd_config.model.vocab_size
 NEW_TOKENS = 4
-DASHBOARD = Path(__file__).resolve().parents[2] / "k8s" / "grafana" / "pd-cache-dashboard.json"
 
 
 @pytest.fixture(scope="module")
@@ -80,13 +75,6 @@ def worker_id(actor: Any) -> str:
         lambda _: ray.get_runtime_context().get_worker_id()))
 
 
-def samples(port: int) -> list[Any]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-        text = resp.read().decode("utf-8")
-    return [s for family in text_string_to_metric_families(text) for s in family.samples
-            if s.name.startswith(RAY_PREFIX + "pd_cache_")]
-
-
 def scrape(port: int, name: str, label: tuple[str, str] | None, worker: str) -> float:
     """The sum of ``name`` over the samples of one process (and one label value)."""
     total = 0.0
@@ -105,23 +93,6 @@ def poll(port: int, name: str, label: tuple[str, str] | None, worker: str,
         got = scrape(port, name, label, worker)
         if got == want or time.monotonic() > deadline:
             return got
-        time.sleep(0.5)
-
-
-def dashboard_series() -> set[str]:
-    exprs = [t["expr"] for panel in json.loads(DASHBOARD.read_text())["panels"]
-             for t in panel["targets"]]
-    return {name for expr in exprs for name in re.findall(r"ray_pd_cache_\w+", expr)}
-
-
-def missing_series(port: int, workers: set[str]) -> set[str]:
-    """Dashboard series that none of ``workers`` exports yet (waits up to 30 s)."""
-    deadline = time.monotonic() + 30
-    while True:
-        got = {s.name for s in samples(port) if s.labels.get("WorkerId") in workers}
-        missing = dashboard_series() - got
-        if not missing or time.monotonic() > deadline:
-            return missing
         time.sleep(0.5)
 
 

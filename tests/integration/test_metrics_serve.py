@@ -24,8 +24,8 @@ from pd_cache.metrics import RAY_PREFIX
 serve = pytest.importorskip("ray.serve")
 ray = pytest.importorskip("ray")
 
+from tests.integration.metrics_port import missing_series, samples  # noqa: E402
 from tests.integration.serving import running_app  # noqa: E402  (needs ray[serve])
-from tests.integration.test_metrics_cluster import missing_series, samples  # noqa: E402
 
 NAME, APP = "pd-cache-metrics", "pd-cache-metrics-app"
 ARGS = {"model": "tiny", "page_size": 4, "num_prefill": 2, "num_decode": 1, "num_storage": 1,

@@ -17,7 +17,7 @@ from pd_cache.storage.client import StorageClient
 from pd_cache.storage.disk import DiskBackend
 from pd_cache.storage.shared import SharedMemoryBackend
 from pd_cache.storage.tier import storage_actor, storage_actors, tier_backend
-from tests.unit.storage.test_storage_backends import Chain, assert_same
+from tests.unit.storage.records import Chain, assert_same
 
 ray = pytest.importorskip("ray")
 

@@ -13,7 +13,7 @@ from pd_cache.metrics import METRICS, PDCacheMetrics, markdown_table
 from pd_cache.storage import make_backend
 from pd_cache.worker.engine import LocalEngine
 from pd_cache.worker.workers import DecodeWorker, PrefillWorker
-from tests.unit.tiering.test_controller import PS, Faulty, SetGate, config, prompt
+from tests.unit.tiering.fakes import PS, Faulty, SetGate, config, prompt
 
 METRICS_DOC = Path(__file__).resolve().parents[3] / "docs" / "metrics.md"
 

@@ -11,7 +11,7 @@ from pd_cache.storage import reader
 from pd_cache.storage.reader import Checksummer, receive
 from pd_cache.storage.record import PageRecord, checksums, verify, verify_all
 from pd_cache.storage.shared import SharedPages
-from tests.unit.storage.test_record import layout_for, page
+from tests.unit.storage.records import layout_for, page
 
 
 def damaged(rec: PageRecord) -> PageRecord:

@@ -14,7 +14,7 @@ from pd_cache.core.request import Req
 from pd_cache.core.vocab import Event, MissReason
 from pd_cache.storage.base import ExtraInfo, PoolTransfer, StorageBackend
 from pd_cache.worker.engine import LocalEngine
-from tests.unit.tiering.test_controller import (
+from tests.unit.tiering.fakes import (
     PS,
     Wrapper,
     assert_clean,

@@ -11,7 +11,6 @@ import pytest
 import torch
 import xxhash
 
-from pd_cache.core.config import KVLayout
 from pd_cache.core.hashing import namespace_seed, page_hashes
 from pd_cache.storage.record import (
     RECORD_VERSION,
@@ -23,36 +22,7 @@ from pd_cache.storage.record import (
     payload_problem,
     verify,
 )
-
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-def layout_for(dtype: torch.dtype = torch.float32, **kw: object) -> KVLayout:
-    fields: dict[str, object] = {"model_id": "test", "kv_dtype": str(dtype).removeprefix("torch."),
-                                 "num_layers": 2, "page_size": 4, "num_kv_heads": 2,
-                                 "head_dim": 8}
-    return KVLayout(**{**fields, **kw})
-
-
-def random_bits(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
-    """Arbitrary bit patterns (NaNs and infinities included) so equality is bit-exact."""
-    gen = torch.Generator().manual_seed(seed)
-    n = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen).view(dtype).view(shape)
-
-
-def bits(t: torch.Tensor) -> bytes:
-    return t.contiguous().view(torch.uint8).numpy().tobytes()
-
-
-def page(layout: KVLayout, seed: int = 0, extra_key: str | None = None,
-         dtype: torch.dtype | None = None) -> PageRecord:
-    dtype = dtype or getattr(torch, layout.kv_dtype)
-    tokens = list(range(seed, seed + layout.page_size))
-    name = page_hashes(tokens, layout.page_size, extra_key=extra_key)[0]
-    prior = namespace_seed(extra_key, None)
-    return make_record(name, prior, tokens, {"kv": random_bits(layout.page_shape, dtype, seed)},
-                       fingerprint=layout.fingerprint)
+from tests.unit.storage.records import DTYPES, bits, layout_for, page, random_bits
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -28,39 +28,9 @@ from pd_cache.storage.disk import DiskBackend
 from pd_cache.storage.eviction import TailFirst
 from pd_cache.storage.memory import MemoryBackend
 from pd_cache.storage.record import PoolEntry
-from tests.unit.storage.test_record import bits, layout_for, random_bits
+from tests.unit.storage.records import DTYPES, Chain, assert_same, bits, layout_for
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 Factory = Callable[..., StorageBackend]
-
-
-class Chain:
-    """A namespace's pages: tokens, names, priors and one record per page and pool."""
-
-    def __init__(self, layout: KVLayout, n: int, *, extra_key: str | None = None,
-                 seed: int = 0, state_shape: tuple[int, ...] | None = None,
-                 shared: tuple[Chain, int] | None = None) -> None:
-        """``shared=(other, k)``: the first ``k`` pages are ``other``'s (a common prefix)."""
-        gen = torch.Generator().manual_seed(seed)
-        self.layout, self.extra_key = layout, extra_key
-        self.tokens = torch.randint(0, 50_000, (n * layout.page_size,), generator=gen).tolist()
-        if shared is not None:
-            k = shared[1] * layout.page_size
-            self.tokens[:k] = shared[0].tokens[:k]
-        self.seed = namespace_seed(extra_key, None)
-        self.names = page_hashes(self.tokens, layout.page_size, extra_key=extra_key)
-        self.priors = [self.seed, *self.names[:-1]]
-        kv_dtype = getattr(torch, layout.kv_dtype)
-        self.records = [self.record(i, {"kv": random_bits(layout.page_shape, kv_dtype,
-                                                          seed * 1000 + i)}) for i in range(n)]
-        self.states = [] if state_shape is None else [
-            self.record(i, {"state": random_bits(state_shape, torch.bfloat16, 7 + i)})
-            for i in range(n)]
-
-    def record(self, i: int, pools: dict[str, torch.Tensor]) -> PageRecord:
-        ps = self.layout.page_size
-        return make_record(self.names[i], self.priors[i], self.tokens[i * ps:(i + 1) * ps],
-                           pools, fingerprint=self.layout.fingerprint)
 
 
 @pytest.fixture(params=["memory", "disk"])
@@ -73,13 +43,6 @@ def make_store(request: pytest.FixtureRequest, tmp_path: Path) -> Factory:
         return DiskBackend(path or tmp_path / "l3", layout, capacity, algo=algo)
     factory.kind = request.param  # type: ignore[attr-defined]
     return factory
-
-
-def assert_same(got: PageRecord | None, want: PageRecord) -> None:
-    assert got is not None
-    assert got.header == want.header
-    for a, b in zip(got.payloads, want.payloads):
-        assert a.dtype == b.dtype and a.shape == b.shape and bits(a) == bits(b)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

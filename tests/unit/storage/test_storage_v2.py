@@ -7,7 +7,6 @@ the operation's priors at those positions.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,22 +21,12 @@ from pd_cache.storage import (
 )
 from pd_cache.storage.disk import DiskBackend
 from pd_cache.storage.memory import MemoryBackend
-from tests.unit.storage.test_record import layout_for
-from tests.unit.storage.test_storage_backends import Chain, assert_same
-from tests.unit.tiering.test_controller import Wrapper
+from tests.unit.storage.records import Chain, assert_same, layout_for
+from tests.unit.tiering.fakes import Recorder
 
 STATE = (3, 8)
 # prefix_keys state -> how many pages of the chain come before the operation
 MODES = {"off": None, "seed": 0, "after_two": 2}
-
-
-class Recorder(Wrapper):
-    """A real backend behind a wrapper that keeps every v2 call it is handed, every pool."""
-
-    def _record(self, op: str, transfers: Sequence[PoolTransfer],
-                info: ExtraInfo | None) -> None:
-        prefix = None if info is None or info.prefix_keys is None else list(info.prefix_keys)
-        self.calls.append((op, [(t.pool, list(t.keys)) for t in transfers], info, prefix))
 
 
 def info_for(chain: Chain, before: int | None) -> ExtraInfo:

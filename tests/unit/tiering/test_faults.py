@@ -15,7 +15,7 @@ from pd_cache.core.vocab import Event, MissReason
 from pd_cache.storage import make_backend
 from pd_cache.storage.base import ExtraInfo, Pending, PoolTransfer, Ready
 from pd_cache.worker.engine import LocalEngine
-from tests.unit.tiering.test_controller import (
+from tests.unit.tiering.fakes import (
     PS,
     SetGate,
     Wrapper,

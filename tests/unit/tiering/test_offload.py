@@ -11,7 +11,7 @@ from pd_cache.core.vocab import GENERATED, OFFLOAD, PROMPT
 from pd_cache.storage import make_backend
 from pd_cache.tiering.offload import DecodeOffloadManager
 from pd_cache.worker.engine import LocalEngine
-from tests.unit.tiering.test_controller import PS, Wrapper, assert_clean, config, prompt, reference
+from tests.unit.tiering.fakes import PS, Wrapper, assert_clean, config, prompt, reference
 
 NAMESPACES = [(None, None), ("lora-1", None), (None, "tenant-a"), ("lora-1", "tenant-a")]
 

@@ -20,7 +20,7 @@ from pd_cache.storage.base import ExtraInfo, PoolTransfer
 from pd_cache.worker import engine as engine_module
 from pd_cache.worker.engine import LocalEngine
 from pd_cache.worker.workers import DecodeWorker, PrefillWorker
-from tests.unit.tiering.test_controller import Wrapper
+from tests.unit.tiering.fakes import Wrapper
 
 PS = 4
 TINY = ModelConfig.preset("tiny")

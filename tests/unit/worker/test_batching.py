@@ -15,12 +15,11 @@ from pd_cache.model.model import reference_generate
 from pd_cache.storage import make_backend
 from pd_cache.worker.batching import DecodeBatcher
 from pd_cache.worker.engine import LocalEngine
-from tests.unit.tiering.test_controller import PS, config
-from tests.unit.worker.test_workers import CONFIG, prompt
+from tests.unit.tiering.fakes import PS, SMALL, config, prompt
 
 
 def test_tokens_stream_in_order_and_a_cancelled_request_leaves_the_batch() -> None:
-    engine = LocalEngine(CONFIG)
+    engine = LocalEngine(SMALL)
     batcher = DecodeBatcher(engine, max_batch=4)
     keep = Req(rid="keep", input_ids=prompt(1, 13), max_new_tokens=12)
     drop = Req(rid="drop", input_ids=prompt(2, 11), max_new_tokens=500)
@@ -96,7 +95,7 @@ def test_a_request_cancelled_mid_decode_still_offloads_what_it_computed() -> Non
 
 
 def test_a_request_that_draws_a_stop_token_leaves_the_batch_and_the_others_go_on() -> None:
-    engine = LocalEngine(CONFIG)
+    engine = LocalEngine(SMALL)
     batcher = DecodeBatcher(engine, max_batch=4)
     prompts = [prompt(11, 9), prompt(12, 14)]
     free = [reference_generate(engine.model, Req(rid="ref", input_ids=p,

@@ -25,7 +25,7 @@ from pd_cache.storage.disk import DiskBackend
 from pd_cache.storage.record import PageRecord, make_record
 from pd_cache.worker.engine import LocalEngine
 from pd_cache.worker.workers import DecodeWorker, PrefillWorker
-from tests.unit.tiering.test_controller import Wrapper
+from tests.unit.tiering.fakes import Wrapper
 
 PS = 4
 HYBRID = ModelConfig.preset("tiny-hybrid")

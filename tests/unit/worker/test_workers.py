@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 import re
 import threading
 import time
@@ -11,29 +10,18 @@ import msgspec
 import pytest
 import torch
 
-from pd_cache.core.config import CacheConfig, ModelConfig, PDCacheConfig, StorageConfig
 from pd_cache.core.hashing import page_hashes
 from pd_cache.core.request import Req
 from pd_cache.metrics import PDCacheMetrics
 from pd_cache.model.model import Model, reference_generate
 from pd_cache.storage import make_backend
 from pd_cache.worker.workers import DecodeWorker, PrefillWorker
-
-PS = 4
-CONFIG = PDCacheConfig(model=ModelConfig.preset("tiny"),
-                       cache=CacheConfig(page_size=PS, device_pages=16, host_pages=32),
-                       storage=StorageConfig(prefetch_policy="wait_complete"))
-VOCAB = CONFIG.model.vocab_size
+from tests.unit.tiering.fakes import PS, SMALL, prompt
 
 
 @pytest.fixture(scope="module")
 def model() -> Model:
-    return Model(CONFIG.model)
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(VOCAB) for _ in range(n)]
+    return Model(SMALL.model)
 
 
 def serve(p: PrefillWorker, d: DecodeWorker, req: Req) -> tuple[list[int], dict[str, int]]:
@@ -42,10 +30,10 @@ def serve(p: PrefillWorker, d: DecodeWorker, req: Req) -> tuple[list[int], dict[
 
 
 def test_handoff_between_workers_matches_reference_and_reuses_l3(model: Model) -> None:
-    storage = make_backend(CONFIG.storage, CONFIG.layout)
-    p0, p1 = (PrefillWorker(CONFIG, worker_id=i, storage=storage) for i in range(2))
+    storage = make_backend(SMALL.storage, SMALL.layout)
+    p0, p1 = (PrefillWorker(SMALL, worker_id=i, storage=storage) for i in range(2))
     metrics = PDCacheMetrics("prometheus")
-    d = DecodeWorker(CONFIG, storage=storage, metrics=metrics)
+    d = DecodeWorker(SMALL, storage=storage, metrics=metrics)
     turn1 = Req(rid="t1", input_ids=prompt(1, 19), cache_salt="a", max_new_tokens=9)
     out1, cached1 = serve(p0, d, turn1)
     assert out1 == reference_generate(model, turn1).output_ids
@@ -70,7 +58,7 @@ def test_handoff_between_workers_matches_reference_and_reuses_l3(model: Model) -
 
 
 def test_namespace_isolation_and_names(model: Model) -> None:
-    p, d = PrefillWorker(CONFIG), DecodeWorker(CONFIG)
+    p, d = PrefillWorker(SMALL), DecodeWorker(SMALL)
     tokens = prompt(3, 17)
     a = Req(rid="a", input_ids=tokens, extra_key="lora", max_new_tokens=3)
     b = Req(rid="b", input_ids=tokens, max_new_tokens=3)
@@ -86,7 +74,7 @@ def test_namespace_isolation_and_names(model: Model) -> None:
 
 def test_metrics_and_read_only_pages(model: Model) -> None:
     metrics = PDCacheMetrics("prometheus")
-    p, d = PrefillWorker(CONFIG, metrics=metrics), DecodeWorker(CONFIG, metrics=metrics)
+    p, d = PrefillWorker(SMALL, metrics=metrics), DecodeWorker(SMALL, metrics=metrics)
     req = Req(rid="m", input_ids=prompt(4, 10), cache_salt="t", max_new_tokens=3)
     info, pages, _ = p.prefill(req)
     frozen = pages.clone()
@@ -99,9 +87,9 @@ def test_metrics_and_read_only_pages(model: Model) -> None:
 
 
 def test_bad_requests_raise_value_error() -> None:
-    p, d = PrefillWorker(CONFIG), DecodeWorker(CONFIG)
+    p, d = PrefillWorker(SMALL), DecodeWorker(SMALL)
     with pytest.raises(ValueError, match=r"input_ids\[1\]"):
-        p.prefill(Req(rid="x", input_ids=[1, VOCAB + 5]))
+        p.prefill(Req(rid="x", input_ids=[1, SMALL.model.vocab_size + 5]))
     req = Req(rid="ok", input_ids=prompt(5, 6), max_new_tokens=2)
     info, pages, _ = p.prefill(req)
     with pytest.raises(ValueError, match="info.rid"):
@@ -114,8 +102,8 @@ def test_bad_requests_raise_value_error() -> None:
 def test_concurrent_decodes_share_batches_and_fail_alone(model: Model) -> None:
     """Decode calls from several threads step together; a bad handoff fails only its own
     caller; every good answer equals the no-cache output; the batcher stops on close."""
-    p = PrefillWorker(CONFIG)
-    d = DecodeWorker(CONFIG, max_batch=3, metrics=PDCacheMetrics("prometheus"))
+    p = PrefillWorker(SMALL)
+    d = DecodeWorker(SMALL, max_batch=3, metrics=PDCacheMetrics("prometheus"))
     reqs = [Req(rid=f"c{i}", input_ids=prompt(40 + i, 6 + 3 * i), max_new_tokens=3 + i)
             for i in range(6)]
     handoffs = [p.prefill(r) for r in reqs]

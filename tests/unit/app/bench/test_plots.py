@@ -9,7 +9,7 @@ import pytest
 
 from pd_cache.app.bench import plots
 from pd_cache.app.bench.summary import summarize
-from tests.unit.app.bench.test_summary import run_records, run_summary, sweep_summary
+from tests.unit.app.bench.runs import run_records, run_summary, sweep_summary
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
