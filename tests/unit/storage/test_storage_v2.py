@@ -40,6 +40,33 @@ class Recorder(Wrapper):
         self.calls.append((op, [(t.pool, list(t.keys)) for t in transfers], info, prefix))
 
 
+class PriorSpy(MemoryBackend):
+    """A memory backend that notes the prior it checks each key against, as it checks it:
+    what the chain it was handed became inside the backend (``None``: nothing checked)."""
+
+    def __init__(self) -> None:
+        super().__init__(layout_for(), 1 << 24)
+        self.checked: list[tuple[str, bytes, bytes | None]] = []
+
+    def _absent(self, slot: Any, prior: bytes | None) -> Any:
+        self.checked.append((slot[0], slot[1], prior))
+        return super()._absent(slot, prior)
+
+    def _put(self, slot: Any, record: Any, prior: bytes | None, *args: Any) -> bool:
+        self.checked.append((slot[0], slot[1], prior))
+        return super()._put(slot, record, prior, *args)
+
+    def take(self) -> list[tuple[str, bytes, bytes | None]]:
+        checked, self.checked = self.checked, []
+        return checked
+
+
+def chain_priors(chain: Chain, pool: str, lo: int, hi: int,
+                 on: bool = True) -> list[tuple[str, bytes, bytes | None]]:
+    """The (pool, key, prior) a backend must check for pages ``lo..hi`` of ``chain``."""
+    return [(pool, chain.names[i], chain.priors[i] if on else None) for i in range(lo, hi)]
+
+
 def info_for(chain: Chain, before: int | None) -> ExtraInfo:
     """``prefix_keys`` of an operation that starts after ``before`` pages (``None``: off)."""
     prefix = None if before is None else chain.names[:before]
@@ -67,31 +94,41 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> StorageBackend:
 def test_backend_receives_prefix_keys_as_given_and_accepts_a_trailing_sidecar(
         mode: str) -> None:
     before = MODES[mode]
-    lo = before or 0
+    lo, on = before or 0, before is not None
     chain = Chain(layout_for(), lo + 4, state_shape=STATE)
-    backend = Recorder(MemoryBackend(layout_for(), 1 << 24))
+    spy = PriorSpy()
+    backend = Recorder(spy)
     if lo:  # the pages before the operation are stored by an earlier one
         assert backend.batch_set(chain.names[:lo], chain.records[:lo],
                                  info_for(chain, 0)) == [True] * lo
     backend.calls.clear()
+    spy.take()
     info = info_for(chain, before)
     handed = info.prefix_keys
+    kv, state = (chain_priors(chain, "kv", lo, lo + 4, on),
+                 chain_priors(chain, "state", lo + 3, lo + 4, on))
 
+    # what the backend received: per key, the prior of the chain the caller handed over
     assert backend.batch_set_v2(operation(chain, lo, 1), info) == [[True] * 4, [True]]
+    assert spy.take() == kv + state
     hits = backend.batch_exists_v2(operation(chain, lo, 1, with_pages=False), info)
+    assert spy.take() == kv + state
     got = backend.batch_get_v2(operation(chain, lo, 1, with_pages=False), info)
+    assert spy.take() == kv + state
     assert backend.batch_exists(chain.names[lo:], info) == 4
+    assert spy.take() == kv
     assert [g is not None for g in backend.batch_get(chain.names[lo:], info)] == [True] * 4
+    assert spy.take() == kv
+    # ... and holds the keys to it: after another chain's page, the same keys miss
+    foreign = ExtraInfo(prefix_keys=Chain(layout_for(), 1, extra_key="b").names)
+    assert backend.batch_exists(chain.names[lo:], foreign) == 0
+    assert spy.take()[0] == ("kv", chain.names[lo], foreign.prefix_keys[-1])
 
-    # what the backend received: the caller's ExtraInfo itself, prefix_keys untouched
-    assert [op for op, *_ in backend.calls] == ["set", "exists", "get", "exists", "get"]
-    for op, pools, received, prefix in backend.calls:
-        assert received is info and received.prefix_keys is handed
-        assert received.namespace_seed == chain.seed and received.request_id == "r1"
+    # the caller's lists are left as they were
+    assert [op for op, *_ in backend.calls] == ["set", "exists", "get", "exists", "get", "exists"]
+    for _, pools, _, prefix in backend.calls[:-1]:
         assert prefix == (None if before is None else chain.names[:before])
         assert pools[0] == ("kv", chain.names[lo:])
-        if op in ("set", "get") and len(pools) == 2:
-            assert pools[1] == ("state", chain.names[-1:])
     assert (handed is None) == (mode == "off") and handed == (
         None if before is None else chain.names[:before])
 
@@ -102,7 +139,7 @@ def test_backend_receives_prefix_keys_as_given_and_accepts_a_trailing_sidecar(
     assert_same(got[1].pages[0], chain.states[-1])
     assert usable_prefix(got) == 4
     stats = backend.stats()
-    assert "refused/namespace_refused" not in stats and "miss/namespace_refused" not in stats
+    assert stats["miss/namespace_refused"] == stats["refused/namespace_refused"] == 1
 
 
 def test_trailing_sidecar_round_trips(store: StorageBackend) -> None:
@@ -172,7 +209,8 @@ def test_sidecar_that_is_not_trailing_is_refused_with_the_pool_named(
 
 def test_accumulated_batches_with_a_trailing_sidecar_leave_caller_lists_alone() -> None:
     chain = Chain(layout_for(), 6, state_shape=STATE)
-    backend = Recorder(MemoryBackend(layout_for(), 1 << 24))
+    spy = PriorSpy()
+    backend = Recorder(spy)
     prefix: list[bytes] = []
     for lo in range(0, 6, 3):  # two batches; each ends with the state of its last page
         batch = chain.names[lo:lo + 3]
@@ -182,14 +220,21 @@ def test_accumulated_batches_with_a_trailing_sidecar_leave_caller_lists_alone() 
                                                                                     lo + 3])],
                                     info)
         assert acks == [[True] * 3, [True]]
+        # the second batch is checked from the first one's last page, not from the seed
+        assert spy.take() == (chain_priors(chain, "kv", lo, lo + 3)
+                              + chain_priors(chain, "state", lo + 2, lo + 3))
         prefix = prefix + batch
-    first, second = backend.calls[0][2], backend.calls[1][2]
-    assert first is not None and list(first.prefix_keys) == []
-    assert second is not None and list(second.prefix_keys) == chain.names[:3]
+    first, second = backend.calls[0][3], backend.calls[1][3]
+    assert first == [] and second == chain.names[:3]  # as handed over, unchanged since
+    assert backend.calls[0][2].prefix_keys == [] and len(prefix) == 6
     hits = backend.batch_exists_v2([PoolTransfer("kv", chain.names[3:]),
                                     PoolTransfer("state", chain.names[5:])],
                                    ExtraInfo(prefix_keys=chain.names[:3]))
+    assert spy.take() == (chain_priors(chain, "kv", 3, 6)
+                          + chain_priors(chain, "state", 5, 6))
     assert hits.usable == 3
+    # a prefix one page short does not lead to the second batch
+    assert backend.batch_exists(chain.names[3:], ExtraInfo(prefix_keys=chain.names[:2])) == 0
 
 
 @pytest.mark.parametrize("kv, state, usable", [
