@@ -24,7 +24,7 @@ from pd_cache.core.vocab import Event, MissReason
 from pd_cache.storage.base import ExtraInfo, PoolHits, PoolTransfer, StorageBackend, Usage
 from pd_cache.storage.batch import Batch, check_batch, normalize_keys, usable_hits
 from pd_cache.storage.eviction import EvictionPolicy, Slot, TailFirst
-from pd_cache.storage.record import PageRecord, RecordHeader, verify
+from pd_cache.storage.record import CHECKPOINT_POOLS, PageRecord, RecordHeader, verify
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,9 @@ class LocalBackend(StorageBackend):
             raise ValueError("transfers: name at least one pool")
         with self._lock:
             per_pool = {b.pool: self._prefix(b.pool, b.keys, b.priors) for b in batches}
-        return usable_hits(batches, per_pool)
+            checkpoints = {b.pool: [self._holds((b.pool, k), p) for k, p in zip(b.keys, b.priors)]
+                           for b in batches if b.pool in CHECKPOINT_POOLS}
+        return usable_hits(batches, per_pool, checkpoints)
 
     def batch_get_v2(self, transfers: Sequence[PoolTransfer],
                      extra_info: ExtraInfo | None = None) -> list[PoolTransfer]:
@@ -163,6 +165,12 @@ class LocalBackend(StorageBackend):
             self._stats.count(Event.REFUSED, MissReason.NAMESPACE_REFUSED)
             return MissReason.NAMESPACE_REFUSED
         return None
+
+    def _holds(self, slot: Slot, prior: bytes | None) -> bool:
+        """Whether ``slot`` is stored and follows ``prior``; counts nothing (a checkpoint
+        pool is probed at every key, its misses are not the end of a prefix)."""
+        entry = self._index.get(slot)
+        return entry is not None and (prior is None or entry.header.prior == prior)
 
     def _available(self, slot: Slot, prior: bytes | None) -> bool:
         """Whether ``slot`` can serve a page following ``prior``; a miss is counted here."""
