@@ -21,7 +21,13 @@ from pd_cache.core.config import (
     PDCacheConfig,
     StorageConfig,
 )
-from pd_cache.core.fields import check_bool, check_int_at_least, check_non_negative, check_positive
+from pd_cache.core.fields import (
+    DISK_RESERVE,
+    check_bool,
+    check_int_at_least,
+    check_non_negative,
+    check_positive,
+)
 from pd_cache.core.pretrained import check_files
 
 
@@ -75,6 +81,8 @@ class ClusterConfig:
                                  choices=tuple(sorted(STORAGE_BACKENDS)))
     storage_capacity_bytes: int = _knob(1 << 30, "L3 capacity in bytes, split over shards")
     disk_path: str | None = _knob(None, "directory of the disk backend")
+    disk_reserve: float = _knob(DISK_RESERVE, "free space the disk backend keeps on its "
+                                              "filesystem: a fraction below 1, else bytes")
     prefetch_policy: str = _knob("wait_complete", "how long prefetch waits for L3",
                                  choices=PREFETCH_POLICIES)
     write_policy: str = _knob("write_through", "L1 -> L2 write policy", choices=WRITE_POLICIES)
@@ -121,6 +129,7 @@ class ClusterConfig:
             storage=StorageConfig(enabled=self.with_storage, backend=self.storage_backend,
                                   capacity_bytes=self.storage_capacity_bytes,
                                   disk_path=self.disk_path,
+                                  disk_reserve=self.disk_reserve,
                                   num_shards=max(1, self.num_storage),
                                   prefetch_policy=self.prefetch_policy,
                                   metrics_interval_s=self.metrics_interval_s))

@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pd_cache.core.fields import (
+    DISK_RESERVE,
     check,
+    check_disk_reserve,
     check_int_at_least,
     check_non_negative,
     check_positive,
@@ -130,12 +132,18 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class StorageConfig:
-    """The L3 storage tier and the controller that prefetches from it."""
+    """The L3 storage tier and the controller that prefetches from it.
+
+    ``disk_reserve``: the free space the ``disk`` backend keeps on its filesystem, evicting
+    tails first to keep it and refusing (``refused/disk_full``) what would eat into it: a
+    fraction of the filesystem's size below 1, else bytes.
+    """
 
     enabled: bool = True
     backend: str = "memory"
     capacity_bytes: int = 1 << 30
     disk_path: str | None = None
+    disk_reserve: float = DISK_RESERVE
     num_shards: int = 1
     batch_pages: int = 128
     prefetch_policy: str = "best_effort"
@@ -150,6 +158,7 @@ class StorageConfig:
         check_positive_int("storage.capacity_bytes", self.capacity_bytes)
         check(self.backend != "disk" or bool(self.disk_path), "storage.disk_path",
                self.disk_path, "a directory when backend='disk'")
+        check_disk_reserve("storage.disk_reserve", self.disk_reserve)
         check_positive_int("storage.num_shards", self.num_shards)
         check_positive_int("storage.batch_pages", self.batch_pages)
         one_of("storage.prefetch_policy", self.prefetch_policy, PREFETCH_POLICIES)

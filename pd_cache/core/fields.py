@@ -9,12 +9,17 @@ refusing unknown keys and wrong types.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
 import msgspec
 
 T = TypeVar("T")
+
+# NOTE: 5% of the disk backend's filesystem stays free: room for the OS, logs and the
+# temporary file of a write in flight, on a disk shared with other services.
+DISK_RESERVE = 0.05
 
 
 def check(ok: bool, field_name: str, value: Any, expected: str) -> None:
@@ -39,6 +44,19 @@ def check_non_negative(field_name: str, value: Any) -> None:
 def check_positive(field_name: str, value: Any) -> None:
     check(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
           field_name, value, "a number > 0")
+
+
+def check_disk_reserve(field_name: str, value: Any) -> None:
+    """A fraction of a filesystem in [0, 1), or a whole number of bytes >= 1."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    check(number and math.isfinite(value) and value >= 0 and (value < 1 or value == int(value)),
+          field_name, value, "a fraction of the filesystem in [0, 1) or bytes (a whole "
+          "number >= 1)")
+
+
+def disk_reserve_bytes(reserve: float, filesystem_bytes: int) -> int:
+    """The bytes ``reserve`` (checked by :func:`check_disk_reserve`) keeps free."""
+    return int(reserve) if reserve >= 1 else math.ceil(reserve * filesystem_bytes)
 
 
 def check_bool(field_name: str, value: Any) -> None:

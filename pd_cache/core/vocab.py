@@ -22,7 +22,8 @@ TIERS: tuple[str, ...] = tuple(t.value for t in Tier)
 
 
 class MissReason(str, Enum):
-    """Why an L3 lookup did not produce a usable page."""
+    """Why an L3 lookup did not produce a usable page, or a store refused one
+    (``refused/<reason>``)."""
 
     NOT_STORED = "not_stored"
     EVICTED = "evicted"
@@ -31,6 +32,7 @@ class MissReason(str, Enum):
     TIMEOUT = "timeout"
     STORAGE_ERROR = "storage_error"
     CROSS_NAMESPACE = "cross_namespace"   # produced under another namespace seed: refused
+    DISK_FULL = "disk_full"   # refused: storing it would eat the disk's free-space reserve
 
 
 class Event(str, Enum):

@@ -1,22 +1,23 @@
 """HTTP plumbing of the ingress: errors in OpenAI's shape, bounded JSON bodies.
 
 Every refusal is ``{"error": {"message", "type", "param", "code"}}`` with its status: 400
-(a bad field: ``param`` names it), 401, 404, 405, 413, 415, 429 (with ``Retry-After``),
-503. A body is read as it streams in and cut off at the limit (a chunked body without
-``Content-Length`` included), and it must be ``application/json``.
+(a bad field: ``param`` names it, as the client sent it), 401, 403, 404, 405, 413, 415,
+429 (with ``Retry-After``), 503. A body is read as it streams in and cut off at the limit
+(a chunked body without ``Content-Length`` included), and it must be ``application/json``.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
 import msgspec
 
 T = TypeVar("T")
 
-TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-         405: "invalid_request_error", 413: "invalid_request_error",
+TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+         404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
          415: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
 RID = re.compile(r"[A-Za-z0-9._:/-]{1,64}")
 
@@ -37,7 +38,7 @@ class HTTPError(Exception):
 
 _AT_PATH = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
 _IN_BACKTICKS = re.compile(r"field `(?P<name>[^`]+)`")
-_LEADING_FIELD = re.compile(r"^(?P<field>[A-Za-z_][\w.]*(?:\[\d+\])?):")
+_LEADING_FIELD = re.compile(r"^(?P<field>[A-Za-z_][\w.]*(?:\[\d+\][\w.]*)*):")
 
 
 async def read_body(request: Any, limit: int) -> bytes:
@@ -78,10 +79,14 @@ def msgspec_field(message: str) -> str:
     return named.group(named.lastgroup or 1) if named else "body"
 
 
-def value_error(exc: ValueError) -> HTTPError:
-    """A pd-cache ``ValueError`` (``input_ids[3]: ...``) as a 400 naming its field."""
-    match = _LEADING_FIELD.match(str(exc))
-    return HTTPError(400, str(exc), match.group("field") if match else "body", "invalid_value")
+def value_error(exc: ValueError, names: Mapping[str, str] | None = None) -> HTTPError:
+    """A pd-cache ``ValueError`` (``input_ids[3]: ...``) as a 400 naming its field; ``names``
+    rewrites pd-cache's field names (patterns) into the ones the client's body used."""
+    message = str(exc)
+    for ours, theirs in (names or {}).items():
+        message = re.sub(rf"(?<![\w.]){ours}", theirs, message)
+    match = _LEADING_FIELD.match(message)
+    return HTTPError(400, message, match.group("field") if match else "body", "invalid_value")
 
 
 def check_rid(rid: str | None) -> None:

@@ -2,12 +2,14 @@
 
 ``POST /v1/completions`` (``prompt``: text or token ids) and ``POST /v1/chat/completions``
 (``messages`` through the model's chat template) take ``model``, ``max_tokens`` (16),
-``temperature``, ``seed``, ``stream``, ``stream_options.include_usage`` and ``user``, plus
+``temperature`` (0-2), ``seed``, ``stream``, ``stream_options.include_usage`` and ``user``, plus
 the extensions ``extra_key`` (the adapter namespace, as in SGLang), ``cache_salt`` (as in
 vLLM; with API keys it only subdivides the caller's tenant), and, as in vLLM,
 ``stop_token_ids`` (more ids that end the answer) and ``ignore_eos`` (do not stop at the
 checkpoint's end-of-sequence ids, which end an answer by default: ``finish_reason`` is then
-``stop``). Fields OpenAI clients send that do not apply here are ignored. Answers carry the
+``stop``). ``top_p``, ``presence_penalty`` and ``frequency_penalty`` are checked against
+OpenAI's ranges and not applied; ``n`` must be 1. Other fields OpenAI clients send that do
+not apply here are ignored. Answers carry the
 generated token ids (``token_ids``, an extension) and
 ``usage.prompt_tokens_details.cached_tokens``; admin keys also get ``pd_cache`` (cached
 tokens by tier, server timings, workers).
@@ -19,7 +21,7 @@ import itertools
 import json
 import os
 import time
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -33,12 +35,24 @@ class StreamOptions(msgspec.Struct):
     include_usage: bool = False
 
 
+# NOTE: OpenAI's ranges, checked at decoding so a refusal names the field the client sent.
+Tokens = Annotated[int, msgspec.Meta(ge=0)]
+Temperature = Annotated[float, msgspec.Meta(ge=0, le=2)]
+Unit = Annotated[float, msgspec.Meta(ge=0, le=1)]
+Penalty = Annotated[float, msgspec.Meta(ge=-2, le=2)]
+
+
 class _Common(msgspec.Struct, kw_only=True):
     model: str
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float = 0.0
+    max_tokens: Tokens | None = None
+    max_completion_tokens: Tokens | None = None
+    temperature: Temperature = 0.0
     seed: int | None = None
+    # accepted within OpenAI's ranges, not applied (sampling here is by temperature alone)
+    top_p: Unit | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    n: Annotated[int, msgspec.Meta(ge=1, le=1)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -56,6 +70,16 @@ class _Common(msgspec.Struct, kw_only=True):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+
+def client_names(body: _Common, chat: bool) -> dict[str, str]:
+    """pd-cache's field names in a refusal (patterns) as this body names them: the prompt
+    is ``prompt`` or (a token's index meaning nothing there) ``messages``; the answer's
+    length the one of ``max_tokens`` / ``max_completion_tokens`` the client set."""
+    tokens = "max_completion_tokens" if body.max_tokens is None \
+        and body.max_completion_tokens is not None else "max_tokens"
+    prompt = {r"input_ids(\[\d+\])?": "messages"} if chat else {r"input_ids": "prompt"}
+    return {**prompt, r"max_new_tokens": tokens, r"sampling\.": ""}
 
 
 class CompletionRequest(_Common, kw_only=True):

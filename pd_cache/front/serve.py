@@ -165,7 +165,7 @@ class PDCacheIngress:
         ids = self._prompt_ids(body, chat)
         sampling = self._sampling(body)
         req, _ = self._request(tenant, ids, body.new_tokens, sampling, body.cache_salt,
-                               body.extra_key, body.rid)
+                               body.extra_key, body.rid, openai.client_names(body, chat))
         rid = openai.request_id(chat)
         if body.stream:
             return self._sse(req, rid, chat, tenant.admin, body.include_usage)
@@ -207,8 +207,10 @@ class PDCacheIngress:
             raise HTTPError(400, str(exc), field, "invalid_value") from None
 
     def _request(self, tenant: Tenant, ids: list[int], max_new: int, sampling: SamplingParams,
-                 salt: str | None, extra_key: str | None, rid: str | None) -> tuple[Req, str]:
-        """The checked ``Req``; its namespace salt is the tenant's when keys are on."""
+                 salt: str | None, extra_key: str | None, rid: str | None,
+                 names: Mapping[str, str] | None = None) -> tuple[Req, str]:
+        """The checked ``Req``; its namespace salt is the tenant's when keys are on. A
+        refusal names the field as ``names`` say the client's body called it."""
         n = next(self._rids)
         shown = rid if rid is not None else f"http-{n}"
         if self.tenants is not None:
@@ -223,7 +225,7 @@ class PDCacheIngress:
         try:
             return self.cluster.admit(fields), shown
         except ValueError as exc:
-            raise value_error(exc) from None
+            raise value_error(exc, names) from None
 
     def _admitted(self) -> Any:
         """Hold one of ``max_pending`` places; 429 with ``Retry-After`` when none is free."""

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 import msgspec
 
 from pd_cache.core.vocab import MissReason
-from pd_cache.storage.record import KV_POOL
+from pd_cache.storage.record import CHECKPOINT_POOLS, KV_POOL
 
 if TYPE_CHECKING:
     from pd_cache.storage.record import PageRecord
@@ -63,10 +63,15 @@ class PoolTransfer(msgspec.Struct, frozen=True, gc=False):
 
 
 class PoolHits(NamedTuple):
-    """Consecutive hits from the first key, per pool, and the usable minimum over them."""
+    """Consecutive hits from the first key, per pool, and the pages usable whole.
+
+    ``checkpoints``: per checkpoint pool of the call (``state``), which of its keys are
+    stored, since a usable prefix may end at any of them (see :func:`usable_end`).
+    """
 
     per_pool: dict[str, int]
     usable: int
+    checkpoints: dict[str, list[bool]] | None = None
 
 
 class Usage(NamedTuple):
@@ -177,9 +182,8 @@ class StorageBackend(ABC):
                         extra_info: ExtraInfo | None = None) -> PoolHits:
         """Per pool, how many of its keys, from the first, are stored (pages ignored).
 
-        ``usable`` is the minimum over the pools of where their hits end in the
-        operation's keys (a trailing sidecar pool starts late): the pages a request can
-        load whole.
+        ``usable``: the pages a request can load whole (:func:`usable_end`; a trailing
+        sidecar pool starts late in the operation's keys).
         Changes nothing but counts; ``exists`` is a hint, ``get`` is authoritative.
         """
 
@@ -253,20 +257,48 @@ class StorageBackend(ABC):
 
 
 def usable_prefix(transfers: Sequence[PoolTransfer]) -> int:
-    """Pages loadable whole from a ``batch_get_v2`` result: min over pools of the hit prefix.
-
-    Positions are the operation's (its longest key list); a sidecar pool covering only the
-    trailing keys counts from where it starts, so it limits the hit only by a page it lacks.
-    """
+    """Pages loadable whole from a ``batch_get_v2`` result (:func:`usable_end`)."""
     if not transfers:
         return 0
     op = max((t.keys for t in transfers), key=len)
-    best = len(op)
-    for t in transfers:
-        pages = t.pages or []
-        n = next((i for i, p in enumerate(pages) if p is None), len(pages))
-        best = min(best, (pool_start(op, t.keys) or 0) + n)
-    return best
+    return usable_end(len(op), [
+        PoolRun(t.pool, pool_start(op, t.keys) or 0,
+                [False] * len(t.keys) if t.pages is None else [p is not None for p in t.pages])
+        for t in transfers])
+
+
+class PoolRun(NamedTuple):
+    """One pool of an operation: where its keys start in the operation's, which are stored."""
+
+    pool: str
+    start: int
+    stored: Sequence[bool]
+
+
+def usable_end(num_keys: int, runs: Sequence[PoolRun]) -> int:
+    """How many of an operation's ``num_keys`` pages a request can load whole.
+
+    A pool of per-page data (``kv``) must hold every page of the prefix that it covers: the
+    prefix stops at its first miss. A checkpoint pool (``state``, taken after its page) is
+    needed only where the prefix ends: the usable prefix is the longest run of those pages
+    that ends at a page whose checkpoint is stored, in every checkpoint pool (0 if none)::
+
+        page    0  1  2  3
+        kv      1  1  1  1      data: every page, up to 4
+        state         -  1      page 3's state is stored: 4 (page 2's is not: never 3)
+    """
+    end = num_keys
+    ends: set[int] | None = None
+    for run in runs:
+        if run.pool in CHECKPOINT_POOLS:
+            stored = {run.start + i + 1 for i, ok in enumerate(run.stored) if ok}
+            ends = stored if ends is None else ends & stored
+        else:
+            end = min(end, run.start + next(
+                (i for i, ok in enumerate(run.stored) if not ok), len(run.stored)))
+    if ends is None:
+        return end
+    return max((e for e in ends if e <= end), default=0)
 
 
 def pool_start(op_keys: Sequence[Any], keys: Sequence[Any]) -> int | None:

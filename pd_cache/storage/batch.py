@@ -19,7 +19,14 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from pd_cache.core.hashing import DIGEST_SIZES, from_hex
-from pd_cache.storage.base import ExtraInfo, PoolHits, PoolTransfer, pool_start
+from pd_cache.storage.base import (
+    ExtraInfo,
+    PoolHits,
+    PoolRun,
+    PoolTransfer,
+    pool_start,
+    usable_end,
+)
 from pd_cache.storage.record import PageRecord, check_pool_name, payload_problem
 
 
@@ -107,10 +114,14 @@ def check_batch(transfers: Sequence[PoolTransfer], info: ExtraInfo | None, algo:
             for j, (b, t) in enumerate(zip(batches, transfers))]
 
 
-def usable_hits(batches: Sequence[Batch], per_pool: dict[str, int]) -> PoolHits:
-    """``per_pool`` hits (from each pool's first key) and the pages usable whole: the
-    minimum over pools of where each one's hits end in the operation's keys."""
-    return PoolHits(per_pool, min(b.start + per_pool[b.pool] for b in batches))
+def usable_hits(batches: Sequence[Batch], per_pool: dict[str, int],
+                checkpoints: dict[str, list[bool]]) -> PoolHits:
+    """``per_pool`` hits (from each pool's first key), ``checkpoints`` (which keys of each
+    checkpoint pool are stored) and the pages usable whole (:func:`usable_end`)."""
+    runs = [PoolRun(b.pool, b.start, checkpoints[b.pool] if b.pool in checkpoints
+                    else [True] * per_pool[b.pool] + [False]) for b in batches]
+    usable = usable_end(max(len(b.keys) for b in batches), runs)
+    return PoolHits(per_pool, usable, checkpoints or None)
 
 
 def _align(b: Batch, given: bool, op: Batch, op_priors: list[bytes | None], chained: bool,

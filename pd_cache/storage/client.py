@@ -45,6 +45,7 @@ from pd_cache.storage.base import (
 )
 from pd_cache.storage.batch import Batch, check_batch, usable_hits
 from pd_cache.storage.reader import Checksummer, Received, receive, remaining
+from pd_cache.storage.record import CHECKPOINT_POOLS
 
 if TYPE_CHECKING:
     from pd_cache.core.config import KVLayout
@@ -254,13 +255,17 @@ def _share(batches: list[Batch], parts: list[tuple[int, list[int]]]) -> list[Poo
 
 def _merge_exists(batches: list[Batch], plan: Plan, answers: dict[int, PoolHits]) -> PoolHits:
     ends = {b.pool: len(b.keys) for b in batches}
+    marks = {b.pool: [False] * len(b.keys) for b in batches if b.pool in CHECKPOINT_POOLS}
     for s, parts in plan.items():
         for j, pos in parts:
             pool = batches[j].pool
             hits = answers[s].per_pool[pool] if s in answers else 0
             if hits < len(pos):
                 ends[pool] = min(ends[pool], pos[hits])
-    return usable_hits(batches, ends)
+            if pool in marks and s in answers:
+                for i, ok in zip(pos, (answers[s].checkpoints or {}).get(pool, [])):
+                    marks[pool][i] = ok
+    return usable_hits(batches, ends, marks)
 
 
 def _merger(batches: list[Batch], plan: Plan, missing: Any,

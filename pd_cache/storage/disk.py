@@ -19,6 +19,12 @@ recency is file mtime, refreshed on every hit, and each page hangs again from it
 prior (the links a shard made across pages held elsewhere are not kept). Payload checksums
 are verified on every read.
 
+A free-space reserve (``reserve``: a fraction of the filesystem, or bytes) is kept on the
+filesystem, whoever else writes to it: before a batch is written, the least recently used
+chains lose their tails until the batch fits above the reserve; a page that still would
+not is refused and counted ``refused/disk_full`` (so is a write that hits ``ENOSPC``), and
+a later lookup of it misses with reason ``disk_full``.
+
 Files are private to the service's user whatever the umask: directories 0700, record
 files (temporary ones included) 0600. A tree left wider by an older version is tightened
 at start.
@@ -32,14 +38,16 @@ import os
 import stat
 import struct
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
 import xxhash
 
 from pd_cache.core.config import KVLayout, StorageConfig
-from pd_cache.core.vocab import Event
-from pd_cache.storage.local import LocalBackend, Slot
+from pd_cache.core.fields import DISK_RESERVE, check_disk_reserve, disk_reserve_bytes
+from pd_cache.core.vocab import Event, MissReason
+from pd_cache.storage.local import LocalBackend, Refusal, Slot, refusal_of
 from pd_cache.storage.record import (
     DTYPES,
     PageRecord,
@@ -61,6 +69,14 @@ DIR_MODE, FILE_MODE = 0o700, 0o600
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)   # never write a record through a planted symlink
 
 
+class DiskSpace(NamedTuple):
+    """A filesystem's size, the bytes an unprivileged writer may still use, its block."""
+
+    total: int
+    free: int
+    block: int
+
+
 class DiskBackend(LocalBackend):
     """Records as files in a directory, bounded in bytes (tails first), recovered at start.
 
@@ -68,8 +84,11 @@ class DiskBackend(LocalBackend):
     """
 
     def __init__(self, path: str | os.PathLike[str], layout: KVLayout, capacity_bytes: int, *,
-                 algo: str = "xxh3_128", fsync: bool = True) -> None:
+                 algo: str = "xxh3_128", fsync: bool = True,
+                 reserve: float = DISK_RESERVE) -> None:
         super().__init__(layout, capacity_bytes, algo=algo)
+        check_disk_reserve("reserve", reserve)
+        self.reserve = reserve
         if not path:
             raise ValueError(f"path: expected a directory, got {path!r}")
         # NOTE: one subdirectory per layout, so two models sharing a path never collide.
@@ -86,7 +105,7 @@ class DiskBackend(LocalBackend):
         if not config.disk_path:
             raise ValueError("storage.disk_path: expected a directory for backend='disk'")
         return cls(Path(config.disk_path) / f"shard-{shard}", layout,
-                   config.shard_capacity_bytes, algo=algo)
+                   config.shard_capacity_bytes, algo=algo, reserve=config.disk_reserve)
 
     # -- paths ----------------------------------------------------------------------------
     def _path(self, slot: Slot) -> Path:
@@ -103,6 +122,40 @@ class DiskBackend(LocalBackend):
     # -- bytes ----------------------------------------------------------------------------
     def _footprint(self, record: PageRecord) -> int:
         return _offsets(record.header, len(encode_header(record.header)))[1]
+
+    def _filesystem(self) -> DiskSpace:
+        st = os.statvfs(self.root)
+        return DiskSpace(st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize, st.f_frsize)
+
+    def _make_room(self, need: int, keep: frozenset[Slot] = frozenset()) -> tuple[int, int]:
+        """Evict tails first (never one of ``keep``) until ``need`` more bytes fit above the
+        reserve, or nothing else may go; the room left above it, and the reserve."""
+        space = self._filesystem()
+        reserve = disk_reserve_bytes(self.reserve, space.total)
+        room = space.free - reserve
+        if need > room:
+            # NOTE: evicted bytes are counted unrounded, so at least the blocks needed go.
+            self._evict_until(self._used - (need - room), keep)
+            room = self._filesystem().free - reserve
+        return room, reserve
+
+    def _write_all(self, items: list[tuple[Slot, PageRecord]]) -> list[Refusal | None]:
+        block = self._filesystem().block
+        sizes = [_rounded(self._index[slot].nbytes, block) for slot, _ in items]
+        room, reserve = self._make_room(sum(sizes), frozenset(slot for slot, _ in items))
+        errors: list[Refusal | None] = []
+        for (slot, record), size in zip(items, sizes):
+            if size > room:
+                errors.append(Refusal(MissReason.DISK_FULL, f"{max(room, 0)} bytes free above "
+                                      f"the reserve of {reserve} on {self.path}"))
+                continue
+            try:
+                self._write(slot, record)
+                room -= size
+                errors.append(None)
+            except OSError as e:
+                errors.append(refusal_of(e))
+        return errors
 
     def _write(self, slot: Slot, record: PageRecord) -> None:
         path = self._path(slot)
@@ -168,6 +221,7 @@ class DiskBackend(LocalBackend):
         for _, slot, header, size in sorted(found, key=lambda f: f[0]):
             self._index_add(slot, header, size)
         self._evict_until(self.capacity_bytes)
+        self._make_room(0)   # the disk filled up while the store was down
 
     def _scan_one(self, path: Path) -> list[tuple[float, Slot, RecordHeader, int]]:
         slot = self._slot_of(path)
@@ -215,6 +269,11 @@ def _tighten(path: Path, mode: int, current: int | None = None) -> int:
         log.warning("cannot make %s private (mode %o): %s", path, mode, e)
         return 0
     return 1
+
+
+def _rounded(nbytes: int, block: int) -> int:
+    """What a file of ``nbytes`` takes on a filesystem of ``block``-byte blocks."""
+    return -(-nbytes // block) * block
 
 
 def _offsets(header: RecordHeader, header_len: int) -> tuple[list[int], int]:

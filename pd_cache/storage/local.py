@@ -9,11 +9,12 @@ order in which records go: the least recently used chain first, from its tail.
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 from abc import abstractmethod
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from itertools import chain
 from typing import NamedTuple, Self
 
@@ -24,7 +25,7 @@ from pd_cache.core.vocab import Event, MissReason
 from pd_cache.storage.base import ExtraInfo, PoolHits, PoolTransfer, StorageBackend, Usage
 from pd_cache.storage.batch import Batch, check_batch, normalize_keys, usable_hits
 from pd_cache.storage.eviction import EvictionPolicy, Slot, TailFirst
-from pd_cache.storage.record import PageRecord, RecordHeader, verify
+from pd_cache.storage.record import CHECKPOINT_POOLS, PageRecord, RecordHeader, verify
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,19 @@ LINK_SCAN = 64
 class Entry(NamedTuple):
     header: RecordHeader
     nbytes: int
+
+
+class Refusal(NamedTuple):
+    """Why a record indexed for a batch could not be written: counted ``refused/<reason>``."""
+
+    reason: MissReason
+    detail: str
+
+
+def refusal_of(error: OSError) -> Refusal:
+    """A failed write, as a refusal: a full filesystem (or quota) is ``disk_full``."""
+    full = error.errno in (errno.ENOSPC, errno.EDQUOT)
+    return Refusal(MissReason.DISK_FULL if full else MissReason.STORAGE_ERROR, str(error))
 
 
 class Link(NamedTuple):
@@ -68,7 +82,8 @@ class LocalBackend(StorageBackend):
         self.layout, self.algo, self.capacity_bytes = layout, algo, capacity_bytes
         self._index: dict[Slot, Entry] = {}
         self._policy = self.policy_class()
-        self._ghosts: OrderedDict[Slot, None] = OrderedDict()
+        self._ghosts: OrderedDict[Slot, MissReason] = OrderedDict()   # why each one went
+        self._warned: set[MissReason] = set()
         self._used = 0
         self._stats = Stats()
         self._lock = threading.RLock()
@@ -106,7 +121,9 @@ class LocalBackend(StorageBackend):
             raise ValueError("transfers: name at least one pool")
         with self._lock:
             per_pool = {b.pool: self._prefix(b.pool, b.keys, b.priors) for b in batches}
-        return usable_hits(batches, per_pool)
+            checkpoints = {b.pool: [self._holds((b.pool, k), p) for k, p in zip(b.keys, b.priors)]
+                           for b in batches if b.pool in CHECKPOINT_POOLS}
+        return usable_hits(batches, per_pool, checkpoints)
 
     def batch_get_v2(self, transfers: Sequence[PoolTransfer],
                      extra_info: ExtraInfo | None = None) -> list[PoolTransfer]:
@@ -156,13 +173,19 @@ class LocalBackend(StorageBackend):
         """Why ``slot`` cannot serve a page following ``prior`` (``None``: it can)."""
         entry = self._index.get(slot)
         if entry is None:
-            return MissReason.EVICTED if slot in self._ghosts else MissReason.NOT_STORED
+            return self._ghosts.get(slot, MissReason.NOT_STORED)
         if prior is not None and entry.header.prior != prior:
             # NOTE: the record is fine (its writer hashed its name from this prior); the
             # caller's chain does not lead to it, e.g. the keys of another namespace.
             self._stats.count(Event.REFUSED, MissReason.NAMESPACE_REFUSED)
             return MissReason.NAMESPACE_REFUSED
         return None
+
+    def _holds(self, slot: Slot, prior: bytes | None) -> bool:
+        """Whether ``slot`` is stored and follows ``prior``; counts nothing (a checkpoint
+        pool is probed at every key, its misses are not the end of a prefix)."""
+        entry = self._index.get(slot)
+        return entry is not None and (prior is None or entry.header.prior == prior)
 
     def _available(self, slot: Slot, prior: bytes | None) -> bool:
         """Whether ``slot`` can serve a page following ``prior``; a miss is counted here."""
@@ -216,25 +239,36 @@ class LocalBackend(StorageBackend):
             else []
         for (slot, (i, _)), error in zip(todo.items(), errors):
             if error is not None:
-                log.warning("cannot store L3 record %s/%s: %s", slot[0], slot[1].hex(), error)
-                self._remove(slot)
-                self._stats.count(Event.REFUSED, MissReason.STORAGE_ERROR)
+                self._refuse(slot, error)
                 acks[i] = False
         stored = len(new) - sum(e is not None for e in errors)
         if stored:
             self._stats.count(Event.STORED, n=stored)
         return acks
 
-    def _write_all(self, items: list[tuple[Slot, PageRecord]]) -> list[str | None]:
+    def _refuse(self, slot: Slot, error: Refusal) -> None:
+        """An indexed record that could not be written goes; a later miss says why."""
+        # NOTE: counted each time; logged at warning once per reason (a full disk refuses
+        # every page until room is made: the count says how many).
+        level = logging.DEBUG if error.reason in self._warned else logging.WARNING
+        self._warned.add(error.reason)
+        log.log(level, "cannot store L3 record %s/%s (%s): %s", slot[0], slot[1].hex(),
+                error.reason.value, error.detail)
+        self._remove(slot)
+        self._stats.count(Event.REFUSED, error.reason)
+        if error.reason is MissReason.DISK_FULL:
+            self._ghost(slot, MissReason.DISK_FULL)
+
+    def _write_all(self, items: list[tuple[Slot, PageRecord]]) -> list[Refusal | None]:
         """Write the records a batch just indexed; per record, why it could not be written
         (``None``: it was). One record at a time unless a backend does better."""
-        errors: list[str | None] = []
+        errors: list[Refusal | None] = []
         for slot, record in items:
             try:
                 self._write(slot, record)
                 errors.append(None)
             except OSError as e:
-                errors.append(str(e))
+                errors.append(refusal_of(e))
         return errors
 
     def _put(self, slot: Slot, record: PageRecord, prior: bytes | None, names: list[bytes],
@@ -280,13 +314,19 @@ class LocalBackend(StorageBackend):
         self._used += size
         self._ghosts.pop(slot, None)
 
-    def _evict_until(self, budget: int) -> None:
-        while self._used > budget and (slot := self._policy.victim()) is not None:
+    def _evict_until(self, budget: int, keep: Container[Slot] = ()) -> None:
+        """Evict tails first until at most ``budget`` bytes are held, or the next victim
+        is one of ``keep`` (or there is none)."""
+        while self._used > budget and (slot := self._policy.victim()) is not None \
+                and slot not in keep:
             self._remove(slot)
-            self._ghosts[slot] = None
-            if len(self._ghosts) > GHOSTS:
-                self._ghosts.popitem(last=False)
+            self._ghost(slot, MissReason.EVICTED)
             self._stats.count(Event.EVICTED)
+
+    def _ghost(self, slot: Slot, reason: MissReason) -> None:
+        self._ghosts[slot] = reason
+        if len(self._ghosts) > GHOSTS:
+            self._ghosts.popitem(last=False)
 
     def _remove(self, slot: Slot) -> None:
         entry = self._index.pop(slot, None)

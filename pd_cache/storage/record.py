@@ -33,6 +33,9 @@ from pd_cache.core.hashing import DIGEST_SIZES, page_hashes, token_buffer
 RECORD_VERSION = 3   # 2: the producer's namespace seed; 3: no token ids
 KV_POOL = "kv"
 STATE_POOL = "state"   # a hybrid model's recurrent state after the page (checkpoints only)
+# Pools whose entry is a checkpoint taken after its page: a prefix is usable only if it
+# ends at a page whose checkpoint is stored (the other pools hold every page's data).
+CHECKPOINT_POOLS = frozenset({STATE_POOL})
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
     "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8,

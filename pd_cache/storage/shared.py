@@ -33,10 +33,10 @@ from typing import Any
 import msgspec
 
 from pd_cache.core.config import KVLayout
-from pd_cache.core.vocab import Event
+from pd_cache.core.vocab import Event, MissReason
 from pd_cache.storage.base import ExtraInfo, PoolTransfer
 from pd_cache.storage.batch import Batch, check_batch, normalize_keys
-from pd_cache.storage.local import LocalBackend, Slot
+from pd_cache.storage.local import LocalBackend, Refusal, Slot
 from pd_cache.storage.record import PageRecord, check_pool_name
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ class SharedMemoryBackend(LocalBackend):
         """Bytes of pages gone from the store that their blocks still hold."""
         return self._dead
 
-    def _write_all(self, items: list[tuple[Slot, PageRecord]]) -> list[str | None]:
+    def _write_all(self, items: list[tuple[Slot, PageRecord]]) -> list[Refusal | None]:
         import ray
 
         try:
@@ -100,7 +100,8 @@ class SharedMemoryBackend(LocalBackend):
             # process owns (payloads travel as uint8 buffers, see PageRecord.__reduce__).
             ref = ray.put(tuple(record for _, record in items))
         except ray.exceptions.ObjectStoreFullError as e:
-            return [f"object store full: {e}"[:300]] * len(items)
+            full = Refusal(MissReason.STORAGE_ERROR, f"object store full: {e}"[:300])
+            return [full] * len(items)
         block = _Block(ref, [slot for slot, _ in items], [r.nbytes for _, r in items])
         for i, (slot, _) in enumerate(items):
             self._where[slot] = (block, i)
@@ -109,7 +110,7 @@ class SharedMemoryBackend(LocalBackend):
     def _write(self, slot: Slot, record: PageRecord) -> None:
         error = self._write_all([(slot, record)])[0]
         if error is not None:
-            raise OSError(error)
+            raise OSError(error.detail)
 
     def _read(self, slot: Slot) -> PageRecord | None:
         import ray
@@ -154,7 +155,8 @@ class SharedMemoryBackend(LocalBackend):
         kept = [(slot, i) for i, slot in enumerate(block.slots) if slot is not None]
         try:
             records = ray.get(block.ref, timeout=30)
-            error = self._write_all([(slot, records[i]) for slot, i in kept])[0]
+            refused = self._write_all([(slot, records[i]) for slot, i in kept])[0]
+            error = None if refused is None else refused.detail
         except ray.exceptions.RayError as e:
             error = f"{type(e).__name__}: {e}"[:300]
         if error is not None:  # it stays as it is (its dead bytes stay counted)

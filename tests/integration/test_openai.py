@@ -120,7 +120,15 @@ def test_errors_are_in_openai_shape(url: str) -> None:
     assert err.value.body["param"] == "model" and err.value.body["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError) as err:
         acme.completions.create(model="tiny", prompt=[1, 2, 10**6], max_tokens=1)
-    assert err.value.body["param"] == "input_ids[2]"
+    assert err.value.body["param"] == "prompt[2]"
+    with pytest.raises(openai.BadRequestError) as err:   # the tiny model's context: 1024
+        acme.chat.completions.create(model="tiny", max_tokens=1000, messages=[
+            {"role": "user", "content": "x" * 100}])
+    assert err.value.body["param"] == "messages" and "max_tokens=1000" in err.value.message
+    with pytest.raises(openai.BadRequestError) as err:
+        acme.chat.completions.create(model="tiny", temperature=1e308, messages=[
+            {"role": "user", "content": "x"}])
+    assert err.value.body["param"] == "temperature"
     with pytest.raises(openai.BadRequestError):
         acme.completions.create(model="tiny", prompt="", max_tokens=1)
     status, body = raw(url + "/v1/completions", b'{"model": "tiny", "prompt": "x"}',
@@ -162,6 +170,7 @@ def test_admin_drop_caches_empties_the_cache_and_needs_an_admin_key(url: str) ->
         .usage.prompt_tokens_details.cached_tokens > 0
     status, body = raw(url + "/admin/drop_caches", b"", {"Authorization": "Bearer sk-acme-0001"})
     assert status == 403 and body["error"]["code"] == "permission_denied"
+    assert body["error"]["type"] == "permission_error"
     status, body = raw(url + "/admin/drop_caches", b"", {"Authorization": "Bearer sk-ops-00003"})
     assert status == 200 and body["dropped_pages"]["device"] > 0, body
     assert body["dropped_pages"]["storage"] > 0, body

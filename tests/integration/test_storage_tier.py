@@ -85,6 +85,13 @@ def test_v2_pools_over_shards(shards: Callable[[str], list[Any]]) -> None:
     assert usable_prefix(got) == 5
     for i in range(5):
         assert_same(got[1].pages[i], chain.states[i])
+    # page 7's state alone, on whichever shard owns it: a prefix of all 8 pages ends there
+    assert client.batch_set_v2([PoolTransfer("state", chain.names[7:], chain.states[7:])]) \
+        == [[True]]
+    ask = [PoolTransfer("kv", chain.names), PoolTransfer("state", chain.names[5:])]
+    hits = client.batch_exists_v2(ask)
+    assert hits.per_pool == {"kv": 8, "state": 0} and hits.usable == 8
+    assert usable_prefix(client.batch_get_v2(ask)) == 8
 
 
 def test_exists_is_the_consecutive_prefix_across_shards(

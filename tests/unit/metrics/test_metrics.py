@@ -157,7 +157,7 @@ def test_vocabularies_are_fixed_and_names_follow_the_convention():
     assert VOCABULARIES["reason"] == tuple(r.value for r in MissReason)
     assert set(VOCABULARIES["reason"]) == {"not_stored", "evicted", "verification_failed",
                                            "namespace_refused", "timeout", "storage_error",
-                                           "cross_namespace"}
+                                           "cross_namespace", "disk_full"}
     suffix = {"counter": ("_total",), "histogram": ("_seconds",),
               "gauge": ("_pages", "_bytes")}
     for spec in METRICS:
@@ -199,6 +199,14 @@ def test_storage_stats_adds_deltas_since_the_last_snapshot(served):
     assert value(got, "pd_cache_storage_events_total", backend="disk", event="miss") == misses
     assert value(got, "pd_cache_storage_misses_total", reason="evicted") == 2
     assert value(got, "pd_cache_storage_misses_total", reason="verification_failed") == 1
+
+    # A full disk: its refusals are refused events, a later lookup a disk_full miss.
+    shard1.count(Event.REFUSED, MissReason.DISK_FULL, n=3)
+    shard1.count(Event.MISS, MissReason.DISK_FULL, n=2)
+    metrics.count_storage_stats(shard1.snapshot(), backend="disk", source="shard1")
+    got = scrape(url)
+    assert value(got, "pd_cache_storage_events_total", backend="disk", event="refused") == 3
+    assert value(got, "pd_cache_storage_misses_total", reason="disk_full") == 2
 
     # A restarted shard starts its Stats from zero: its new counts are all new.
     restarted = Stats()

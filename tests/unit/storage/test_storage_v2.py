@@ -19,6 +19,8 @@ from pd_cache.storage import (
     StorageBackend,
     usable_prefix,
 )
+from pd_cache.storage.batch import check_batch
+from pd_cache.storage.client import StorageClient, _merge_exists, _share
 from pd_cache.storage.disk import DiskBackend
 from pd_cache.storage.memory import MemoryBackend
 from tests.unit.storage.records import Chain, assert_same, layout_for
@@ -27,6 +29,33 @@ from tests.unit.tiering.fakes import Recorder
 STATE = (3, 8)
 # prefix_keys state -> how many pages of the chain come before the operation
 MODES = {"off": None, "seed": 0, "after_two": 2}
+
+
+class PriorSpy(MemoryBackend):
+    """A memory backend that notes the prior it checks each key against, as it checks it:
+    what the chain it was handed became inside the backend (``None``: nothing checked)."""
+
+    def __init__(self) -> None:
+        super().__init__(layout_for(), 1 << 24)
+        self.checked: list[tuple[str, bytes, bytes | None]] = []
+
+    def _absent(self, slot: Any, prior: bytes | None) -> Any:
+        self.checked.append((slot[0], slot[1], prior))
+        return super()._absent(slot, prior)
+
+    def _put(self, slot: Any, record: Any, prior: bytes | None, *args: Any) -> bool:
+        self.checked.append((slot[0], slot[1], prior))
+        return super()._put(slot, record, prior, *args)
+
+    def take(self) -> list[tuple[str, bytes, bytes | None]]:
+        checked, self.checked = self.checked, []
+        return checked
+
+
+def chain_priors(chain: Chain, pool: str, lo: int, hi: int,
+                 on: bool = True) -> list[tuple[str, bytes, bytes | None]]:
+    """The (pool, key, prior) a backend must check for pages ``lo..hi`` of ``chain``."""
+    return [(pool, chain.names[i], chain.priors[i] if on else None) for i in range(lo, hi)]
 
 
 def info_for(chain: Chain, before: int | None) -> ExtraInfo:
@@ -56,31 +85,41 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> StorageBackend:
 def test_backend_receives_prefix_keys_as_given_and_accepts_a_trailing_sidecar(
         mode: str) -> None:
     before = MODES[mode]
-    lo = before or 0
+    lo, on = before or 0, before is not None
     chain = Chain(layout_for(), lo + 4, state_shape=STATE)
-    backend = Recorder(MemoryBackend(layout_for(), 1 << 24))
+    spy = PriorSpy()
+    backend = Recorder(spy)
     if lo:  # the pages before the operation are stored by an earlier one
         assert backend.batch_set(chain.names[:lo], chain.records[:lo],
                                  info_for(chain, 0)) == [True] * lo
     backend.calls.clear()
+    spy.take()
     info = info_for(chain, before)
     handed = info.prefix_keys
+    kv, state = (chain_priors(chain, "kv", lo, lo + 4, on),
+                 chain_priors(chain, "state", lo + 3, lo + 4, on))
 
+    # what the backend received: per key, the prior of the chain the caller handed over
     assert backend.batch_set_v2(operation(chain, lo, 1), info) == [[True] * 4, [True]]
+    assert spy.take() == kv + state
     hits = backend.batch_exists_v2(operation(chain, lo, 1, with_pages=False), info)
+    assert spy.take() == kv + state
     got = backend.batch_get_v2(operation(chain, lo, 1, with_pages=False), info)
+    assert spy.take() == kv + state
     assert backend.batch_exists(chain.names[lo:], info) == 4
+    assert spy.take() == kv
     assert [g is not None for g in backend.batch_get(chain.names[lo:], info)] == [True] * 4
+    assert spy.take() == kv
+    # ... and holds the keys to it: after another chain's page, the same keys miss
+    foreign = ExtraInfo(prefix_keys=Chain(layout_for(), 1, extra_key="b").names)
+    assert backend.batch_exists(chain.names[lo:], foreign) == 0
+    assert spy.take()[0] == ("kv", chain.names[lo], foreign.prefix_keys[-1])
 
-    # what the backend received: the caller's ExtraInfo itself, prefix_keys untouched
-    assert [op for op, *_ in backend.calls] == ["set", "exists", "get", "exists", "get"]
-    for op, pools, received, prefix in backend.calls:
-        assert received is info and received.prefix_keys is handed
-        assert received.namespace_seed == chain.seed and received.request_id == "r1"
+    # the caller's lists are left as they were
+    assert [op for op, *_ in backend.calls] == ["set", "exists", "get", "exists", "get", "exists"]
+    for _, pools, _, prefix in backend.calls[:-1]:
         assert prefix == (None if before is None else chain.names[:before])
         assert pools[0] == ("kv", chain.names[lo:])
-        if op in ("set", "get") and len(pools) == 2:
-            assert pools[1] == ("state", chain.names[-1:])
     assert (handed is None) == (mode == "off") and handed == (
         None if before is None else chain.names[:before])
 
@@ -91,7 +130,7 @@ def test_backend_receives_prefix_keys_as_given_and_accepts_a_trailing_sidecar(
     assert_same(got[1].pages[0], chain.states[-1])
     assert usable_prefix(got) == 4
     stats = backend.stats()
-    assert "refused/namespace_refused" not in stats and "miss/namespace_refused" not in stats
+    assert stats["miss/namespace_refused"] == stats["refused/namespace_refused"] == 1
 
 
 def test_trailing_sidecar_round_trips(store: StorageBackend) -> None:
@@ -100,7 +139,8 @@ def test_trailing_sidecar_round_trips(store: StorageBackend) -> None:
     assert store.batch_set_v2(operation(chain, 0, 2), info) == [[True] * 4, [True] * 2]
     for state_pages in (1, 2):  # a reader may ask for fewer trailing state pages
         hits = store.batch_exists_v2(operation(chain, 0, state_pages, False), info)
-        assert hits == PoolHits({"kv": 4, "state": state_pages}, 4)
+        assert hits == PoolHits({"kv": 4, "state": state_pages}, 4,
+                                {"state": [True] * state_pages})
     got = store.batch_get_v2(operation(chain, 0, 2, False), info)
     assert_same(got[1].pages[0], chain.states[2])
     assert_same(got[1].pages[1], chain.states[3])
@@ -112,15 +152,25 @@ def test_missing_trailing_state_limits_the_usable_hit(store: StorageBackend) -> 
     chain = Chain(layout_for(), 4, state_shape=STATE)
     info = info_for(chain, 0)
     assert store.batch_set_v2(operation(chain, 0, 1)[:1], info) == [[True] * 4]
+    # no page of the operation has its state: a hybrid request could resume from none
     hits = store.batch_exists_v2(operation(chain, 0, 1, False), info)
-    assert hits.per_pool == {"kv": 4, "state": 0} and hits.usable == 3
+    assert hits.per_pool == {"kv": 4, "state": 0} and hits.usable == 0
     got = store.batch_get_v2(operation(chain, 0, 1, False), info)
-    assert got[1].pages == [None] and usable_prefix(got) == 3
-    # the state of the last two pages, of which only the very last is stored
+    assert got[1].pages == [None] and usable_prefix(got) == 0
+    # the state of the last two pages, of which only the very last is stored: all four
     store.batch_set_v2([PoolTransfer("state", chain.names[3:], chain.states[3:])],
                        info_for(chain, 3))
     hits = store.batch_exists_v2(operation(chain, 0, 2, False), info)
-    assert hits.per_pool == {"kv": 4, "state": 0} and hits.usable == 2
+    assert hits.per_pool == {"kv": 4, "state": 0} and hits.usable == 4
+    assert hits.checkpoints == {"state": [False, True]}
+    got = store.batch_get_v2(operation(chain, 0, 2, False), info)
+    assert usable_prefix(got) == 4
+    # an earlier page with its state is an end too: the longest prefix ending at one
+    store.batch_set_v2([PoolTransfer("state", chain.names[1:2], chain.states[1:2])],
+                       info_for(chain, 1))
+    hits = store.batch_exists_v2([PoolTransfer("kv", chain.names[:3]),
+                                  PoolTransfer("state", chain.names[:3])], info)
+    assert hits.usable == 2 and hits.checkpoints == {"state": [False, True, False]}
 
 
 def test_sidecar_priors_are_the_operations(store: StorageBackend) -> None:
@@ -156,12 +206,13 @@ def test_sidecar_that_is_not_trailing_is_refused_with_the_pool_named(
     assert store.batch_set_v2(leading, None) == [[True] * 4, [True] * 2]
     hits = store.batch_exists_v2([PoolTransfer("kv", chain.names),
                                   PoolTransfer("state", chain.names[:2])])
-    assert hits == PoolHits({"kv": 4, "state": 2}, 2)
+    assert hits == PoolHits({"kv": 4, "state": 2}, 2, {"state": [True, True]})
 
 
 def test_accumulated_batches_with_a_trailing_sidecar_leave_caller_lists_alone() -> None:
     chain = Chain(layout_for(), 6, state_shape=STATE)
-    backend = Recorder(MemoryBackend(layout_for(), 1 << 24))
+    spy = PriorSpy()
+    backend = Recorder(spy)
     prefix: list[bytes] = []
     for lo in range(0, 6, 3):  # two batches; each ends with the state of its last page
         batch = chain.names[lo:lo + 3]
@@ -171,27 +222,71 @@ def test_accumulated_batches_with_a_trailing_sidecar_leave_caller_lists_alone() 
                                                                                     lo + 3])],
                                     info)
         assert acks == [[True] * 3, [True]]
+        # the second batch is checked from the first one's last page, not from the seed
+        assert spy.take() == (chain_priors(chain, "kv", lo, lo + 3)
+                              + chain_priors(chain, "state", lo + 2, lo + 3))
         prefix = prefix + batch
-    first, second = backend.calls[0][2], backend.calls[1][2]
-    assert first is not None and list(first.prefix_keys) == []
-    assert second is not None and list(second.prefix_keys) == chain.names[:3]
+    first, second = backend.calls[0][3], backend.calls[1][3]
+    assert first == [] and second == chain.names[:3]  # as handed over, unchanged since
+    assert backend.calls[0][2].prefix_keys == [] and len(prefix) == 6
     hits = backend.batch_exists_v2([PoolTransfer("kv", chain.names[3:]),
                                     PoolTransfer("state", chain.names[5:])],
                                    ExtraInfo(prefix_keys=chain.names[:3]))
+    assert spy.take() == (chain_priors(chain, "kv", 3, 6)
+                          + chain_priors(chain, "state", 5, 6))
     assert hits.usable == 3
+    # a prefix one page short does not lead to the second batch
+    assert backend.batch_exists(chain.names[3:], ExtraInfo(prefix_keys=chain.names[:2])) == 0
 
 
+# a prefix ends at a page whose state is stored: pages 0-3 of KV, states after the last ones
 @pytest.mark.parametrize("kv, state, usable", [
     ([1, 1, 1, 1], [1], 4),
-    ([1, 1, 1, 1], [None], 3),
-    ([1, 1, None, None], [1], 2),
-    ([1, 1, 1, 1], [None, 1], 2),
-    ([1, 1, 1, 1], [], 4),
+    ([1, 1, 1, 1], [None], 0),            # no page of the operation has its state
+    ([1, 1, None, None], [1], 0),         # page 1 ends the KV, its state was not asked
+    ([1, 1, 1, 1], [None, 1], 4),         # page 3 has its state: all four
+    ([1, 1, 1, 1], [1, None], 3),         # the last page with a state is page 2
+    ([1, 1, 1, None], [1, 1], 3),         # KV ends at page 2, which has its state
+    ([1, 1, 1, None], [None, 1], 0),      # page 3's state is no use without its KV
+    ([1, 1, 1, 1], [1, None, 1, None], 3),
+    ([1, 1, 1, 1], [], 0),                # a state pool asked for no page has no end
     ([None, 1, 1, 1], [1], 0),
 ])
-def test_usable_prefix_aligns_sidecars_at_the_end(kv: list[Any], state: list[Any],
-                                                 usable: int) -> None:
+def test_usable_prefix_ends_at_a_page_with_its_state(kv: list[Any], state: list[Any],
+                                                     usable: int) -> None:
     chain = Chain(layout_for(), 4)
     result = [PoolTransfer("kv", chain.names, kv),
               PoolTransfer("state", chain.names[4 - len(state):], state)]
     assert usable_prefix(result) == usable
+    # a pool of per-page data (anything but state) needs every page it covers
+    result = [PoolTransfer("kv", chain.names, kv),
+              PoolTransfer("scale", chain.names[4 - len(state):], state)]
+    start = 4 - len(state)
+    run = next((i for i, p in enumerate(kv) if p is None), 4)
+    side = next((i for i, p in enumerate(state) if p is None), len(state))
+    assert usable_prefix(result) == min(run, start + side)
+
+
+def test_sharded_exists_ends_at_a_state_on_any_shard() -> None:
+    """The client merges each shard's answer (real backends, the transport left out): a
+    state stored on one shard is an end although the other shard has none."""
+    chain = Chain(layout_for(), 8, state_shape=STATE)
+    client = StorageClient([None, None])
+    shards = [MemoryBackend(layout_for(), 1 << 24) for _ in range(2)]
+    info = info_for(chain, 0)
+    ask = [PoolTransfer("kv", chain.names), PoolTransfer("state", chain.names[4:])]
+    for with_states in ([], [5], [5, 7]):
+        kv = PoolTransfer("kv", chain.names, chain.records)
+        states = PoolTransfer("state", [chain.names[i] for i in with_states],
+                              [chain.states[i] for i in with_states])
+        batches = check_batch([kv, states], None, "xxh3_128", with_pages=True)
+        for s, parts in client._plan(batches).items():
+            shards[s].batch_set_v2(_share(batches, parts))
+        batches = check_batch(ask, info, "xxh3_128", with_pages=False)
+        plan = client._plan(batches)
+        answers = {s: shards[s].batch_exists_v2(_share(batches, parts))
+                   for s, parts in plan.items()}
+        hits = _merge_exists(batches, plan, answers)
+        assert hits.usable == {(): 0, (5,): 6, (5, 7): 8}[tuple(with_states)]
+        assert hits.checkpoints == {"state": [4 + i in with_states for i in range(4)]}
+    assert {client.shard_of(n) for n in chain.names[4:]} == {0, 1}
