@@ -30,7 +30,7 @@ import logging
 import torch
 
 from pd_cache.core.config import PDCacheConfig
-from pd_cache.core.hashing import namespace_seed, to_hex
+from pd_cache.core.hashing import to_hex
 from pd_cache.core.request import Req
 from pd_cache.core.stats import Stats
 from pd_cache.core.vocab import Event, MissReason, Tier
@@ -114,7 +114,7 @@ class LocalEngine(Decoding):
                                    algo=self.config.cache.hash_algo)
         # NOTE: at least the last prompt token is always computed: its logits give token 0.
         usable = (len(req.input_ids) - 1) // self.page_size
-        seed = namespace_seed(req.extra_key, req.cache_salt, self.config.cache.hash_algo)
+        seed = req.namespace_seed(self.config.cache.hash_algo)
         match, refused = self._audit(req, self.cache.match_prefix(key, max_pages=usable), seed)
         self.cache.lock(match.node)
         try:

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import torch
 
 from pd_cache.core.config import PDCacheConfig
-from pd_cache.core.hashing import from_hex, namespace_seed
+from pd_cache.core.hashing import from_hex
 from pd_cache.core.request import Req
 from pd_cache.core.vocab import TIERS, Event, MissReason, namespace_kind
 from pd_cache.core.wire import DecodeInfo, PrefillInfo, WorkerState
@@ -195,8 +195,7 @@ class DecodeWorker(_Worker):
 
     def _audit(self, req: Req, info: PrefillInfo) -> int:
         """Pages handed off for another namespace than ``req``'s (all of them, or 0)."""
-        if info.seed == namespace_seed(req.extra_key, req.cache_salt,
-                                       self.config.cache.hash_algo):
+        if info.seed == req.namespace_seed(self.config.cache.hash_algo):
             return 0
         log.error("request %s: the handed-off KV was computed in another namespace; "
                   "refused, recomputing the prompt", req.rid)
