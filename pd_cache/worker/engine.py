@@ -9,8 +9,9 @@ workers can run them in different processes, handing the prompt's KV pages acros
                   compute the rest of the prompt, cache its new full pages, unlock,
                   write the new full pages through to L3 in the background
                   -> PrefillOutput(first token, prompt KV pages, names, cached tokens)
-    decode(req, pages, n, first)  greedy/seeded steps over a private KV buffer; with L3
-                  the DecodeOffloadManager backs up prompt and generated pages
+    decode(req, pages, n, first, state, names)  greedy/seeded steps over a private KV
+                  buffer; with L3 the DecodeOffloadManager backs up prompt and generated
+                  pages (the prompt's under the names prefill gave them)
     start_decode / decode_step / finish_decode   the same, for several requests whose
                   steps run batched in one forward (continuous batching, see batching.py;
                   the decode half lives in decoding.py)
@@ -30,7 +31,6 @@ import logging
 import torch
 
 from pd_cache.core.config import PDCacheConfig
-from pd_cache.core.hashing import to_hex
 from pd_cache.core.request import Req
 from pd_cache.core.stats import Stats
 from pd_cache.core.vocab import Event, MissReason, Tier
@@ -100,7 +100,7 @@ class LocalEngine(Decoding):
         """Prefill then decode in this process; fills ``req.output_ids``."""
         out = self.prefill(req)
         tokens = self.decode(req, out.kv_pages, out.num_prompt_tokens, out.first_token,
-                             out.state)
+                             out.state, out.page_names)
         return Result(req.rid, tokens, out.cached_tokens, out.logits)
 
     def prefill(self, req: Req) -> PrefillOutput:
@@ -238,12 +238,6 @@ class LocalEngine(Decoding):
         if self.state_pool is not None:
             usage["state"] = self.state_pool.usage()
         return usage
-
-    def page_names(self, req: Req) -> list[str]:
-        """Hex names of ``req``'s full prompt pages as this process computes them (debug)."""
-        key = CacheKey.for_request(req, page_size=self.page_size,
-                                   algo=self.config.cache.hash_algo)
-        return [to_hex(name) for name in key.names]
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for every L3 backup and offload write issued so far (``True``: all done)."""
