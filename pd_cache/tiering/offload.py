@@ -12,7 +12,8 @@ and a request's writes are one call per shard instead of one per page::
     decode  |p0|p1|p2|p3 +out|o1 ..|  h4 = H(h3 || tokens of page 4), h5 = H(h4 || ..)
 
 Only pages whose every token has KV are written (decode never computes the KV of the
-last token it draws). All writes go through the controller's background thread.
+last token it draws). All writes go through the controller's writer (its background
+thread).
 
 A hybrid model's writes carry the recurrent state at their checkpoint pages (every
 ``state_every`` pages and each write's last page; ``pd_cache.kv.state``): the prompt's
@@ -118,12 +119,12 @@ class DecodeOffloadManager:
         if state.prompt_pending:
             states.update((i, s) for i, s in (state.prompt_states or {}).items() if i < done)
         # NOTE: kv_to_pages makes the pages for this call alone: no snapshot needed.
-        self.controller.backup(state.req, state.names[start:] + new,
-                               tokens[start * ps:max(full, done) * ps],
-                               kv_to_pages(kv[:, :, start * ps:max(full, done) * ps], ps),
-                               state.names[:start], skip_stored=state.prompt_pending,
-                               kind=OFFLOAD, page_kinds=[PROMPT] * (done - start)
-                               + [GENERATED] * len(new), copy=False, states=states)
+        self.controller.writer.backup(
+            state.req, state.names[start:] + new, tokens[start * ps:max(full, done) * ps],
+            kv_to_pages(kv[:, :, start * ps:max(full, done) * ps], ps), state.names[:start],
+            skip_stored=state.prompt_pending, kind=OFFLOAD,
+            page_kinds=[PROMPT] * (done - start) + [GENERATED] * len(new), copy=False,
+            states=states)
         state.names = state.names + new
         state.prompt_pending, state.prompt_states = False, None
         return len(new)

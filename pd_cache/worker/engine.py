@@ -5,9 +5,9 @@ workers can run them in different processes, handing the prompt's KV pages acros
 
     prefill(req)  name the prompt's full pages in req's namespace
                   match L1/L2 (lock, load back host pages)  ->  _match_storage (L3 seam:
-                  the CacheController prefetches from L3 into host slots, by policy)
+                  CacheController.fetch prefetches from L3 into host slots, by policy)
                   compute the rest of the prompt, cache its new full pages, unlock,
-                  write the new full pages through to L3 in the background
+                  CacheController.write_through: the new full pages to L3 (background)
                   -> PrefillOutput(first token, prompt KV pages, names, cached tokens)
     decode(req, pages, n, first, state, names)  greedy/seeded steps over a private KV
                   buffer; with L3 the DecodeOffloadManager backs up prompt and generated
@@ -43,10 +43,10 @@ from pd_cache.model.digest import model_layout
 from pd_cache.model.hf_model import build_model
 from pd_cache.model.model import sample
 from pd_cache.storage.base import StorageBackend
-from pd_cache.tiering.controller import CacheController
+from pd_cache.tiering.controller import CacheController, StoredPages
 from pd_cache.tiering.offload import DecodeOffloadManager
 from pd_cache.worker.decoding import Decoding
-from pd_cache.worker.outputs import PrefillOutput, PromptState, Result, StoredPages
+from pd_cache.worker.outputs import PrefillOutput, PromptState, Result
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +161,8 @@ class LocalEngine(Decoding):
         kept = {} if out.states is None else dict(zip(
             checkpoints(done, key.num_pages - 1, self.state_every), out.states))
         self.cache.insert(key, pages, seed, {**known, **kept})
-        self._write_through(req, key, done, pages, kept)
+        if self.controller is not None:
+            self.controller.write_through(req, key, done, pages, kept)
         logits = out.logits[-1]
         cached = {Tier.DEVICE.value: match.count(Tier.DEVICE) * self.page_size,
                   Tier.HOST.value: match.count(Tier.HOST) * self.page_size,
@@ -202,32 +203,13 @@ class LocalEngine(Decoding):
         if self.controller is None or not names:
             return StoredPages(torch.empty((0, *self.layout.page_shape),
                                            dtype=self.device_pool.data.dtype))
-        fetched = self.controller.prefetch(req, names, prefix)
-        try:
-            # NOTE: a hybrid prefix ends at its last page with a state (none: no page).
-            n = fetched.resume_pages
-            return StoredPages(fetched.read()[:n], fetched.cross_namespace,
-                               {i: s for i, s in fetched.states.items() if i < n})
-        finally:
-            fetched.release()
+        return self.controller.fetch(req, names, prefix)
 
     def _host_slots(self, n: int, owner: str) -> list[int]:
         """Up to ``n`` host slots for ``owner``, evicting unlocked L2 pages to make room."""
         if self.host_pool.num_free < n:
             self.cache.evict(Tier.HOST, n - self.host_pool.num_free)
         return self.host_pool.alloc(min(n, self.host_pool.num_free), owner)
-
-    def _write_through(self, req: Req, key: CacheKey, num_cached: int, pages: torch.Tensor,
-                       states: dict[int, torch.Tensor]) -> None:
-        """Back up the prompt's newly computed full pages (and a hybrid model's states at
-        their checkpoints) to L3, in the background."""
-        if self.controller is None or num_cached >= key.num_pages:
-            return
-        ps = self.page_size
-        self.controller.backup(req, key.names[num_cached:],
-                               key.tokens[num_cached * ps:key.num_pages * ps],
-                               pages[num_cached:key.num_pages], key.names[:num_cached],
-                               states={i - num_cached: s for i, s in states.items()})
 
     # -- for tests and operators ----------------------------------------------------------
 
