@@ -196,7 +196,7 @@ class PDCluster(ClusterOperations):
         self.decode_router.begin(worker)
         actor, finished = self.decode[worker], False
         try:
-            async for ref in actor.decode_stream.remote(req, info, handoff):
+            async for ref in actor.stream_handoff.remote(req, info, handoff):
                 item = await _unwrap(ref)
                 finished = isinstance(item, DecodeInfo)
                 yield item
@@ -252,7 +252,7 @@ class PDCluster(ClusterOperations):
         worker = self._pick_decode(pinned, failed)
         self.decode_router.begin(worker)
         try:
-            ref = self.decode[worker].decode.remote(req, info, handoff)
+            ref = self.decode[worker].decode_handoff.remote(req, info, handoff)
             return await self._call("decode", worker, ref)
         finally:
             self.decode_router.end(worker)
