@@ -3,6 +3,7 @@
 One request::
 
     generate_async(req)   admit (ValueError for a bad request), name its prompt pages
+                          (once: a retry is routed by the same names)
       -> prefill[p]       p = longest known prefix match in req's namespace, by load
          (info_ref, pages_ref, states_ref)   await info: TTFT; pages (and a hybrid
                           prompt's states) stay in the object store
@@ -122,10 +123,12 @@ class PDCluster(ClusterOperations):
         live worker.
         """
         req = self.admit(req)
+        names = self.router_names(req)
         start, failed = time.perf_counter(), {"prefill": [], "decode": []}
         for attempt in (1, 2):
             try:
-                info, handoff = await self._prefill(req, prefill_worker, failed["prefill"])
+                info, handoff = await self._prefill(req, names, prefill_worker,
+                                                    failed["prefill"])
                 ttft = time.perf_counter() - start
                 out = await self._decode(req, info, handoff, decode_worker,
                                          failed["decode"])
@@ -153,12 +156,12 @@ class PDCluster(ClusterOperations):
         """
         req = self.admit(req)
         start, failed = time.perf_counter(), {"prefill": [], "decode": []}
-        part, sent, attempt = req, [], 1
+        part, names, sent, attempt = req, self.router_names(req), [], 1
         first: PrefillInfo | None = None    # the prompt's own prefill: what is reported
         ttft, out = 0.0, None
         while True:
             try:
-                info, handoff = await self._prefill(part, None, failed["prefill"])
+                info, handoff = await self._prefill(part, names, None, failed["prefill"])
                 if first is None:
                     first, ttft = info, time.perf_counter() - start
                 if part.max_new_tokens:
@@ -181,6 +184,7 @@ class PDCluster(ClusterOperations):
                 log.warning("request %s: %s after %d tokens; resuming elsewhere", req.rid, e,
                             len(sent))
                 part = req.resumed_after(sent)
+                names = self.router_names(part)
         req.output_ids = list(sent)
         whole = DecodeInfo(req.rid, -1, list(sent), 0, 0, 0.0, 0.0) if out is None else \
             msgspec.structs.replace(out, output_ids=list(sent))
@@ -192,7 +196,7 @@ class PDCluster(ClusterOperations):
         self.decode_router.begin(worker)
         actor, finished = self.decode[worker], False
         try:
-            async for ref in actor.decode_stream.remote(req, info, handoff):
+            async for ref in actor.stream_handoff.remote(req, info, handoff):
                 item = await _unwrap(ref)
                 finished = isinstance(item, DecodeInfo)
                 yield item
@@ -217,10 +221,16 @@ class PDCluster(ClusterOperations):
                                         return_exceptions=return_exceptions)
         return asyncio.run(run())
 
-    async def _prefill(self, req: Req, pinned: int | None,
+    def router_names(self, req: Req) -> list[bytes]:
+        """The prompt's page names in this process: what requests are routed by (computed
+        once per request)."""
+        return compute_prefix_hash(req, req.input_ids, page_size=self.pd.cache.page_size,
+                                   algo=self.pd.cache.hash_algo)
+
+    async def _prefill(self, req: Req, names: list[bytes], pinned: int | None,
                        failed: Sequence[int] = ()) -> tuple[PrefillInfo, Any]:
-        """Route and run prefill; the router learns the pages the worker now holds."""
-        names = self.router_names(req)
+        """Route and run prefill by ``names`` (the prompt's, ``router_names``); the router
+        learns the pages the worker now holds."""
         self.liveness["prefill"].refresh()
         worker = self.prefill_router.pick(names, failed).worker if pinned is None else pinned
         self._check_worker("prefill_worker", worker, self.prefill)
@@ -242,7 +252,7 @@ class PDCluster(ClusterOperations):
         worker = self._pick_decode(pinned, failed)
         self.decode_router.begin(worker)
         try:
-            ref = self.decode[worker].decode.remote(req, info, handoff)
+            ref = self.decode[worker].decode_handoff.remote(req, info, handoff)
             return await self._call("decode", worker, ref)
         finally:
             self.decode_router.end(worker)
@@ -295,12 +305,6 @@ class PDCluster(ClusterOperations):
         if isinstance(worker, bool) or not isinstance(worker, int) \
                 or not 0 <= worker < len(actors):
             raise ValueError(f"{field}: expected an int in [0, {len(actors)}), got {worker!r}")
-
-    # -- for tests and operators ---------------------------------------------------------
-
-    def router_names(self, req: Req) -> list[bytes]:
-        return compute_prefix_hash(req, req.input_ids, page_size=self.pd.cache.page_size,
-                                   algo=self.pd.cache.hash_algo)
 
 
 def _namer(name: str | None) -> Any:

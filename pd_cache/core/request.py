@@ -2,9 +2,13 @@
 
 ``Req`` is a ``msgspec.Struct`` so it crosses actor and HTTP boundaries as a typed wire
 value; ``__post_init__`` runs on construction *and* on decode, so a request read off the
-wire is checked the same way as one built in Python. ``Req.admit`` adds the checks that
-need the model (vocabulary size, context length). ``compute_prefix_hash`` names a request's
-pages in its own namespace: the one way every process names them.
+wire is checked the same way as one built in Python. ``Req.check_model`` adds the checks
+that need the model (vocabulary size, context length). ``compute_prefix_hash`` names a
+request's pages in its own namespace: the one way every process names them.
+
+What a process derives from a request (its namespace seed, its admission against the
+model) is derived once there and kept with the object, never sent with it: a process that
+receives the request derives its own from the fields it received.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from pd_cache.core.hashing import MAX_TOKEN, page_hashes, token_buffer
+from pd_cache.core.hashing import MAX_TOKEN, namespace_seed, page_hashes, token_buffer
 
 MAX_NAMESPACE_BYTES = 256
 
@@ -80,11 +84,16 @@ def check_namespace(field: str, value: Any) -> None:
                          f"allowed: {value[:40]!r}...")
 
 
-class Req(msgspec.Struct, kw_only=True):
+class Req(msgspec.Struct, kw_only=True, dict=True):
     """One generation request. ``output_ids`` fills as it decodes.
 
     ``deadline`` (``time.time()`` seconds, or ``None``: none) is when its answer stops being
     wanted; every queue and batch drops the request then, and frees what it held.
+
+    NOTE: ``dict=True`` gives each request a private ``__dict__`` beside its fields: what
+    this process derived from them (``_derived``). Neither msgspec nor pickle (so neither
+    HTTP nor Ray) carries it, and ``msgspec.structs.replace`` starts without it, so no
+    process trusts another's derivation: each one that receives a request derives its own.
     """
 
     rid: str
@@ -132,21 +141,18 @@ class Req(msgspec.Struct, kw_only=True):
         if self.expired():
             raise DeadlineExceeded(f"request {self.rid}: past its deadline at {where}")
 
-    @classmethod
-    def admit(cls, *, vocab_size: int = MAX_TOKEN, max_context: int | None = None,
-              **fields: Any) -> Req:
-        """Build and validate a request against the model that will serve it.
+    def check_model(self, *, vocab_size: int = MAX_TOKEN,
+                    max_context: int | None = None) -> None:
+        """Admit the request to the model that will serve it: the checks that need the model.
 
-        Raises ``ValueError`` naming the field and value: an empty prompt, a token id
-        ``>= vocab_size``, a prompt plus ``max_new_tokens`` longer than ``max_context``,
-        or a namespace that is not a non-empty str of at most 256 UTF-8 bytes.
+        Raises ``ValueError`` naming the field and value: a token id ``>= vocab_size`` (in
+        the prompt or among the stop tokens), a prompt plus ``max_new_tokens`` longer than
+        ``max_context``. Runs once per process and model: a request admitted here before
+        is not checked again (its fields do not change after admission).
         """
-        req = cls(**fields)
-        req.check_model(vocab_size=vocab_size, max_context=max_context)
-        return req
-
-    def check_model(self, *, vocab_size: int, max_context: int | None) -> None:
-        """The checks that need the model: vocabulary range and context length."""
+        admitted = ("admitted", vocab_size, max_context)
+        if admitted in self._derived:
+            return
         ids = token_buffer(self.input_ids)
         if vocab_size < MAX_TOKEN and int(ids.max()) >= vocab_size:
             i = int((ids >= vocab_size).argmax())
@@ -160,6 +166,7 @@ class Req(msgspec.Struct, kw_only=True):
         if max_context is not None and total > max_context:
             raise ValueError(f"input_ids: prompt of {len(ids)} tokens + max_new_tokens="
                              f"{self.max_new_tokens} exceeds the model context {max_context}")
+        self._derived[admitted] = True
 
     def answered_by(self, tokens: list[int]) -> bool:
         """Whether ``tokens`` are a whole answer (``max_new_tokens`` of them, or a stop)."""
@@ -179,6 +186,20 @@ class Req(msgspec.Struct, kw_only=True):
     def namespace(self) -> tuple[str | None, str | None]:
         return (self.extra_key, self.cache_salt)
 
+    def namespace_seed(self, algo: str = "xxh3_128") -> bytes:
+        """``h_0`` of this request's page chains (``pd_cache.core.hashing.namespace_seed``),
+        derived once per process from its own ``extra_key`` and ``cache_salt``."""
+        key = ("seed", algo, self.extra_key, self.cache_salt)
+        seed = self._derived.get(key)
+        if seed is None:
+            seed = self._derived[key] = namespace_seed(self.extra_key, self.cache_salt, algo)
+        return seed
+
+    @property
+    def _derived(self) -> dict[tuple[Any, ...], Any]:
+        """What this process derived from the request (see the class docstring)."""
+        return self.__dict__.setdefault("derived", {})
+
     @property
     def all_ids(self) -> list[int]:
         """Prompt followed by what has been generated so far."""
@@ -187,9 +208,10 @@ class Req(msgspec.Struct, kw_only=True):
 
 def compute_prefix_hash(req: Req, tokens: Any, prior: bytes | None = None, *,
                         page_size: int, algo: str = "xxh3_128") -> list[bytes]:
-    """Names of ``tokens``' full pages in ``req``'s own namespace.
+    """Names of ``tokens``' full pages in ``req``'s own namespace, continuing ``prior``
+    (default: the start of the chain, the request's namespace seed).
 
     The namespace is read from the request, so no caller can pass the wrong one.
     """
-    return page_hashes(tokens, page_size, extra_key=req.extra_key, cache_salt=req.cache_salt,
-                       prior=prior, algo=algo)
+    return page_hashes(tokens, page_size, algo=algo,
+                       prior=req.namespace_seed(algo) if prior is None else prior)

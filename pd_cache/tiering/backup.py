@@ -4,9 +4,9 @@ Records and checksums are built on that thread, off the request path; ``flush`` 
 what was issued so far. A failed batch stops that write (the pages after it would not
 chain from a stored page) and is counted; it never takes the worker down.
 
-A hybrid model's write also carries the recurrent states of its checkpoint pages. Batches
-end at those pages, and each such batch is one ``batch_set_v2``: KV of its pages and, as
-a trailing sidecar, the ``state`` of its last page::
+Every batch is one ``batch_set_v2``. A hybrid model's write also carries the recurrent
+states of its checkpoint pages: batches end at those pages, and each such batch stores,
+beside the KV of its pages, the ``state`` of its last page as a trailing sidecar::
 
     pages   0  1  2  3 | 4  5  6  7 | 8  9        checkpoints 3, 7, 9
     kv      x  x  x  x | x  x  x  x | x  x
@@ -115,18 +115,15 @@ class BackupWriter:
         link = self.link
         records = [self._record(chain, lo + i, tokens, {KV_POOL: pages[lo + i]})
                    for i in range(len(batch))]
-        info = link.info(req, chain, prefix)
+        transfers = [PoolTransfer(KV_POOL, batch, records)]
+        if state is not None:
+            last = self._record(chain, lo + len(batch) - 1, tokens, {STATE_POOL: state})
+            transfers.append(PoolTransfer(STATE_POOL, batch[-1:], [last]))
         try:
-            if state is None:
-                acks = link.storage.submit_set(batch, records, info).result(link.call_timeout_s)
-            else:
-                last = self._record(chain, lo + len(batch) - 1, tokens, {STATE_POOL: state})
-                acks, state_acks = link.storage.submit_set_v2(
-                    [PoolTransfer(KV_POOL, batch, records),
-                     PoolTransfer(STATE_POOL, batch[-1:], [last])], info
-                ).result(link.call_timeout_s)
-                if all(acks) and list(state_acks) == [True]:
-                    self.stats.count(kind, STATE)
+            acks, *state_acks = link.storage.submit_set_v2(
+                transfers, link.info(req, chain, prefix)).result(link.call_timeout_s)
+            if state_acks and all(acks) and list(state_acks[0]) == [True]:
+                self.stats.count(kind, STATE)
         except Exception as e:  # noqa: BLE001
             link.fault(req, kind, MissReason.STORAGE_ERROR, e, 0)
             acks = []

@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from typing import NamedTuple
 
-from pd_cache.core.hashing import namespace_seed
 from pd_cache.core.request import Req
 
 
@@ -27,7 +26,7 @@ class Chain(NamedTuple):
     def of(cls, req: Req, names: Sequence[bytes], prefix: Sequence[bytes] = (), *,
            algo: str = "xxh3_128") -> Chain:
         """``names`` (after ``prefix``) in ``req``'s own namespace."""
-        return cls(list(names), list(prefix), namespace_seed(req.extra_key, req.cache_salt, algo))
+        return cls(list(names), list(prefix), req.namespace_seed(algo))
 
     def prior(self, i: int) -> bytes:
         """The name page ``names[i]`` hashes from."""

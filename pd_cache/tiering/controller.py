@@ -1,26 +1,45 @@
 """``CacheController``: one worker's link between its host pool (L2) and L3.
 
-It puts the two paths side by side over one ``StorageLink``::
+What a prefill takes from L3 and gives it, over one ``StorageLink`` shared by both paths::
 
-    Prefetcher    read path: query, then L3 -> host slots, verified   (caller's thread)
-    BackupWriter  write path: new full pages -> batch_set             (background thread)
+    fetch          L3 -> host slots, verified -> the pages a prefill resumes from
+                   (Prefetcher, on the caller's thread; the slots are freed before it returns)
+    write_through  a prefill's new full pages -> L3 (BackupWriter, on its background thread)
 
-Both take the request's page names as the worker computed them, with the names before
-them (``prefix``); neither hashes a prompt again. A storage fault (a raise, a timeout, a
-bad record) never fails the request: the pages it would have supplied are recomputed,
-and the fault is counted in ``stats`` by reason.
+Decode's offload writes through the same ``writer``. Both paths take the request's page
+names as the worker computed them, with the names before them (``prefix``); neither hashes
+a prompt again. A storage fault (a raise, a timeout, a bad record) never fails the request:
+the pages it would have supplied are recomputed, and the fault is counted in ``stats`` by
+reason.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+import torch
+
 from pd_cache.core.config import StorageConfig
+from pd_cache.core.request import Req
 from pd_cache.core.stats import Stats
+from pd_cache.kv.base import CacheKey
 from pd_cache.kv.pool import PagePool
 from pd_cache.metrics import PDCacheMetrics
 from pd_cache.storage.base import StorageBackend
 from pd_cache.tiering.backup import BackupWriter
 from pd_cache.tiering.link import StorageLink
 from pd_cache.tiering.prefetch import Alloc, Prefetcher
+
+
+class StoredPages(NamedTuple):
+    """What L3 supplied: ``pages`` for the leading names, and the pages it offered that
+    another namespace had produced (refused). For a hybrid model ``pages`` end at a page
+    with a state, and ``states[i]`` is the state after page ``i`` (the last one at least)."""
+
+    pages: torch.Tensor
+    cross_namespace: int = 0
+    states: dict[int, torch.Tensor] | None = None
 
 
 class CacheController:
@@ -46,10 +65,37 @@ class CacheController:
         self.state_every = state_every
         self.reader = Prefetcher(self.link, host_pool, alloc)
         self.writer = BackupWriter(self.link)
-        self.prefetch = self.reader.prefetch
-        self.backup = self.writer.backup
-        self.flush = self.writer.flush
+
+    def fetch(self, req: Req, names: Sequence[bytes], prefix: Sequence[bytes]) -> StoredPages:
+        """KV of the leading pages of ``names`` (after ``prefix``, the local hit's names)
+        that L3 holds and a request can resume from: ``[k, *page_shape]`` for the first
+        ``k`` of them (a hybrid prefix ends at its last page with a state; none: ``k = 0``).
+        The host slots they landed in are free again when this returns."""
+        fetched = self.reader.prefetch(req, names, prefix)
+        try:
+            n = fetched.resume_pages
+            return StoredPages(fetched.read()[:n], fetched.cross_namespace,
+                               {i: s for i, s in fetched.states.items() if i < n})
+        finally:
+            fetched.release()
+
+    def write_through(self, req: Req, key: CacheKey, num_cached: int, pages: torch.Tensor,
+                      states: Mapping[int, torch.Tensor]) -> None:
+        """Back up the full pages of ``key`` after its first ``num_cached`` (KV ``pages[i]``
+        of page ``i``; a hybrid model's ``states`` by page index, at their checkpoints) to
+        L3, in the background."""
+        if num_cached >= key.num_pages:
+            return
+        ps = self.page_size
+        self.writer.backup(req, key.names[num_cached:],
+                           key.tokens[num_cached * ps:key.num_pages * ps],
+                           pages[num_cached:key.num_pages], key.names[:num_cached],
+                           states={i - num_cached: s for i, s in states.items()})
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for every write issued so far (``True``: all done)."""
+        return self.writer.flush(timeout)
 
     def close(self) -> None:
-        """Finish the queued backups and stop the background thread."""
+        """Finish the queued writes and stop the background thread."""
         self.writer.close()

@@ -12,7 +12,8 @@ and a request's writes are one call per shard instead of one per page::
     decode  |p0|p1|p2|p3 +out|o1 ..|  h4 = H(h3 || tokens of page 4), h5 = H(h4 || ..)
 
 Only pages whose every token has KV are written (decode never computes the KV of the
-last token it draws). All writes go through the controller's background thread.
+last token it draws). All writes go through the controller's writer (its background
+thread).
 
 A hybrid model's writes carry the recurrent state at their checkpoint pages (every
 ``state_every`` pages and each write's last page; ``pd_cache.kv.state``): the prompt's
@@ -21,14 +22,12 @@ as prefill handed them over, the generated pages' as decode recorded them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
-from pd_cache.core.request import Req
-from pd_cache.core.request import compute_prefix_hash as chain_names
+from pd_cache.core.request import Req, compute_prefix_hash
 from pd_cache.core.vocab import GENERATED, OFFLOAD, PROMPT
 from pd_cache.kv.pages import kv_to_pages
 from pd_cache.kv.state import checkpoints
@@ -75,23 +74,25 @@ class DecodeOffloadManager:
             raise ValueError(f"stride: expected an int >= 1 (tokens), got {stride!r}")
         self.stride = stride
 
-    def compute_prefix_hash(self, req: Req, tokens: Any,
-                            prior: bytes | None = None) -> list[bytes]:
-        """Names of ``tokens``' full pages in ``req``'s namespace, continuing ``prior``."""
-        return chain_names(req, tokens, prior, page_size=self.page_size,
-                           algo=self.controller.algo)
-
-    def offload_kv_cache(self, req: Req,
+    def offload_kv_cache(self, req: Req, names: Sequence[bytes] | None = None,
                          states: Mapping[int, torch.Tensor] | None = None) -> OffloadState:
-        """Decode starts: name the prompt's full pages; the request's first write (at the
-        latest ``advance(final=True)``) sends those L3 lacks, read from decode's own KV.
+        """Decode starts from the prompt's full pages, ``names`` (as prefill named them;
+        ``None``: named here); the request's first write (at the latest
+        ``advance(final=True)``) sends those L3 lacks, read from decode's own KV.
 
         ``states`` (hybrid): the recurrent state after some of the prompt's pages, by page
-        index (kept until that write copies them).
+        index (kept until that write copies them). Raises ``ValueError`` if ``names`` are
+        not one per full page of the prompt.
         """
         full = len(req.input_ids) // self.page_size
-        names = self.compute_prefix_hash(req, req.input_ids[:full * self.page_size])
-        return OffloadState(req, names, prompt_pending=bool(names), prompt_states=states)
+        if names is None:
+            names = compute_prefix_hash(req, req.input_ids[:full * self.page_size],
+                                        page_size=self.page_size, algo=self.controller.algo)
+        elif len(names) != full:
+            raise ValueError(f"names: {len(names)} page names for a prompt of {full} full "
+                             f"pages (request {req.rid!r})")
+        return OffloadState(req, list(names), prompt_pending=bool(names),
+                            prompt_states=states)
 
     def advance(self, state: OffloadState, tokens: list[int], kv: torch.Tensor,
                 num_computed: int, *, final: bool = False,
@@ -108,8 +109,9 @@ class DecodeOffloadManager:
         if (full <= done and not (final and state.prompt_pending)) \
                 or (waiting < self.stride and not final):
             return 0
-        new = self.compute_prefix_hash(state.req, tokens[done * ps:full * ps],
-                                       state.last_name) if full > done else []
+        new = compute_prefix_hash(state.req, tokens[done * ps:full * ps], state.last_name,
+                                  page_size=ps, algo=self.controller.algo) \
+            if full > done else []
         start = 0 if state.prompt_pending else done
         states = {i - start: page_states[i]
                   for i in checkpoints(done, full - 1, self.controller.state_every)
@@ -117,12 +119,12 @@ class DecodeOffloadManager:
         if state.prompt_pending:
             states.update((i, s) for i, s in (state.prompt_states or {}).items() if i < done)
         # NOTE: kv_to_pages makes the pages for this call alone: no snapshot needed.
-        self.controller.backup(state.req, state.names[start:] + new,
-                               tokens[start * ps:max(full, done) * ps],
-                               kv_to_pages(kv[:, :, start * ps:max(full, done) * ps], ps),
-                               state.names[:start], skip_stored=state.prompt_pending,
-                               kind=OFFLOAD, page_kinds=[PROMPT] * (done - start)
-                               + [GENERATED] * len(new), copy=False, states=states)
+        self.controller.writer.backup(
+            state.req, state.names[start:] + new, tokens[start * ps:max(full, done) * ps],
+            kv_to_pages(kv[:, :, start * ps:max(full, done) * ps], ps), state.names[:start],
+            skip_stored=state.prompt_pending, kind=OFFLOAD,
+            page_kinds=[PROMPT] * (done - start) + [GENERATED] * len(new), copy=False,
+            states=states)
         state.names = state.names + new
         state.prompt_pending, state.prompt_states = False, None
         return len(new)

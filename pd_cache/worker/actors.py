@@ -1,4 +1,6 @@
-"""Ray actors hosting the workers: thin wrappers and small builder functions.
+"""Ray actors hosting the workers: each actor *is* its worker (a subclass that adds only
+what Ray needs: the process setup, the number of return values, fetching the handoff), and
+small builder functions.
 
 The prompt's KV leaves the prefill actor as the second return value of ``prefill`` (a
 task's return value is owned by the caller, so it outlives nothing it should not), and
@@ -22,8 +24,8 @@ import torch
 
 from pd_cache.core.config import PDCacheConfig
 from pd_cache.core.request import Req
-from pd_cache.core.wire import DecodeInfo, PrefillInfo, WorkerState
-from pd_cache.worker.workers import DecodeWorker, PrefillWorker
+from pd_cache.core.wire import DecodeInfo, PrefillInfo
+from pd_cache.worker.workers import DecodeWorker, PrefillResult, PrefillWorker
 
 ACTOR_ENV = {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1", "OMP_NUM_THREADS": "1"}
 DECODE_CONCURRENCY = 64   # decode calls one batching actor takes in at once
@@ -41,98 +43,77 @@ def _storage_client(handles: Sequence[Any], config: PDCacheConfig,
                          metrics=metrics)
 
 
-class _Host:
-    """What both actors share: the worker, its L3 client and metrics."""
+def _in_process(config: PDCacheConfig, storage_handles: Sequence[Any], threads: int,
+                storage_timeout_s: float | None) -> dict[str, Any]:
+    """Set up the actor's process and make what its worker takes from it: one metrics
+    recorder (worker and L3 client share it) and the L3 client."""
+    from pd_cache.metrics import PDCacheMetrics
 
-    worker: Any
+    torch.set_num_threads(threads)
+    # NOTE: both warnings concern tensors shared zero-copy through the object store: the
+    # pages prefill returns are never written after return, and decode copies what it
+    # receives before use.
+    warnings.filterwarnings("ignore", message=".*[Zz]ero-copy tensor.*")
+    warnings.filterwarnings("ignore", message=".*non-writable tensors.*")
+    metrics = PDCacheMetrics("auto")
+    return {"metrics": metrics,
+            "storage": _storage_client(storage_handles, config, storage_timeout_s, metrics),
+            "storage_timeout_s": storage_timeout_s or 30.0}
 
-    def __init__(self, worker_class: type, config: PDCacheConfig, worker_id: int,
-                 storage_handles: Sequence[Any], threads: int,
-                 storage_timeout_s: float | None, **worker_options: Any) -> None:
-        from pd_cache.metrics import PDCacheMetrics
 
-        torch.set_num_threads(threads)
-        # NOTE: both warnings concern tensors shared zero-copy through the object store: the
-        # pages prefill returns are never written after return, and decode copies what it
-        # receives before use.
-        warnings.filterwarnings("ignore", message=".*[Zz]ero-copy tensor.*")
-        warnings.filterwarnings("ignore", message=".*non-writable tensors.*")
-        metrics = PDCacheMetrics("auto")   # one recorder per process: worker and L3 client
-        storage = _storage_client(storage_handles, config, storage_timeout_s, metrics)
-        self.worker = worker_class(config, worker_id=worker_id, metrics=metrics,
-                                   storage=storage, storage_timeout_s=storage_timeout_s or 30.0,
-                                   **worker_options)
+class _Hosted:
+    """What an actor adds to the worker it is: answers to health checks. Every other call
+    (``flush``, ``state``, ``drop_cache``, ``page_names``, ...) is the worker's own."""
 
-    def page_names(self, req: Req) -> list[bytes]:
-        return self.worker.page_names(req)
-
-    def flush(self, timeout: float | None = None) -> bool:
-        return self.worker.flush(timeout)
-
-    def l3_writes(self) -> dict[str, int]:
-        return self.worker.l3_writes()
-
-    def drop_cache(self) -> dict[str, int]:
-        return self.worker.drop_cache()
-
-    def state(self) -> WorkerState:
-        return self.worker.state()
-
-    def engine_stats(self) -> dict[str, int]:
-        return self.worker.engine_stats()
-
-    def close(self) -> None:
-        self.worker.close()
+    worker_id: int
 
     def ready(self) -> int:
-        return self.worker.worker_id
+        return self.worker_id
 
     def pid(self) -> int:
         """The hosting process id (changes when the actor restarts)."""
         return os.getpid()
 
 
-class PrefillActor(_Host):
+class PrefillActor(_Hosted, PrefillWorker):
     def __init__(self, config: PDCacheConfig, worker_id: int, storage_handles: Sequence[Any],
                  threads: int = 1, storage_timeout_s: float | None = 10.0) -> None:
-        super().__init__(PrefillWorker, config, worker_id, storage_handles, threads,
-                         storage_timeout_s)
+        super().__init__(config, worker_id=worker_id,
+                         **_in_process(config, storage_handles, threads, storage_timeout_s))
 
     @ray.method(num_returns=3)
-    def prefill(self, req: Req) -> tuple[PrefillInfo, torch.Tensor, torch.Tensor | None]:
-        """-> info, the prompt's KV pages, a hybrid prompt's states (``None`` when plain)."""
-        info, pages, states = self.worker.prefill(req)
-        return info, pages, states
+    def prefill(self, req: Req) -> PrefillResult:
+        """-> info, the prompt's KV pages, a hybrid prompt's states (``None`` when plain),
+        as three objects."""
+        return super().prefill(req)
 
 
-class DecodeActor(_Host):
-    """A threaded actor (``max_concurrency``): each ``decode`` call waits on its own
+class DecodeActor(_Hosted, DecodeWorker):
+    """A threaded actor (``max_concurrency``): each ``decode_handoff`` call waits on its own
     thread while the worker's batcher runs the steps of every call in flight together."""
 
     def __init__(self, config: PDCacheConfig, worker_id: int, storage_handles: Sequence[Any],
                  threads: int = 1, storage_timeout_s: float | None = 10.0,
                  max_batch: int = 1) -> None:
-        super().__init__(DecodeWorker, config, worker_id, storage_handles, threads,
-                         storage_timeout_s, max_batch=max_batch)
+        super().__init__(config, worker_id=worker_id, max_batch=max_batch,
+                         **_in_process(config, storage_handles, threads, storage_timeout_s))
 
-    def decode(self, req: Req, info: PrefillInfo, page_refs: list[Any]) -> DecodeInfo:
-        *_, result = self.decode_stream(req, info, page_refs)
+    def decode_handoff(self, req: Req, info: PrefillInfo, handoff: list[Any]) -> DecodeInfo:
+        """``decode`` of the pages (and a hybrid prompt's states) ``handoff`` refers to."""
+        *_, result = self.stream_handoff(req, info, handoff)
         return result
 
     @ray.method(num_returns="streaming")
-    def decode_stream(self, req: Req, info: PrefillInfo,
-                      page_refs: list[Any]) -> Iterator[int | DecodeInfo]:
-        """Each token after the first as it is drawn, then the ``DecodeInfo``."""
+    def stream_handoff(self, req: Req, info: PrefillInfo,
+                       handoff: list[Any]) -> Iterator[int | DecodeInfo]:
+        """``decode_stream`` of what ``handoff`` refers to: each token after the first as
+        it is drawn, then the ``DecodeInfo``."""
         req.check_deadline("handoff")
         start = time.perf_counter()
         # NOTE: [pages] or [pages, states] (a hybrid prompt's recurrent state).
-        got = ray.get(list(page_refs[:2]))
+        got = ray.get(list(handoff[:2]))
         states = got[1] if len(got) > 1 else None
-        yield from self.worker.decode_stream(req, info, got[0], time.perf_counter() - start,
-                                             states)
-
-    def cancel(self, rid: str) -> None:
-        self.worker.cancel(rid)
+        yield from self.decode_stream(req, info, got[0], time.perf_counter() - start, states)
 
 
 @functools.cache
@@ -177,8 +158,8 @@ def decode_actor(config: PDCacheConfig, worker_id: int, storage_handles: Sequenc
                  *, threads: int = 1, num_cpus: float = 0, max_restarts: int = 0,
                  storage_timeout_s: float | None = 10.0, max_batch: int = 1,
                  actor: ActorOptions | None = None) -> Any:
-    """A ``DecodeActor`` handle; ``decode.remote(req, info, [pages_ref, states_ref])`` ->
-    ``DecodeInfo`` (``[pages_ref]`` alone for a plain model).
+    """A ``DecodeActor`` handle; ``decode_handoff.remote(req, info, [pages_ref,
+    states_ref])`` -> ``DecodeInfo`` (``[pages_ref]`` alone for a plain model).
 
     ``max_batch > 1``: up to that many requests decode together; the actor then takes
     more calls at once than it batches (the rest wait in the batcher's queue). Restarts and

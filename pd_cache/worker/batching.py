@@ -29,7 +29,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError, Future
 from typing import NamedTuple
 
@@ -51,6 +51,7 @@ class _Job(NamedTuple):
     on_token: Callable[[int], None] | None = None
     submitted: float = 0.0   # time.perf_counter() when handed in
     state: PromptState | None = None   # a hybrid prompt's recurrent state
+    names: Sequence[bytes] | None = None   # the prompt's page names, as prefill computed them
 
 
 log = logging.getLogger(__name__)
@@ -77,15 +78,19 @@ class DecodeBatcher:
         self._thread.start()
 
     def decode(self, req: Req, pages: torch.Tensor, num_prompt_tokens: int,
-               first_token: int, state: PromptState | None = None) -> list[int]:
+               first_token: int, state: PromptState | None = None,
+               names: Sequence[bytes] | None = None) -> list[int]:
         """Like ``LocalEngine.decode`` (same checks, same tokens), batched with the other
         requests in flight; blocks until this one is done."""
-        return self.submit(req, pages, num_prompt_tokens, first_token, state=state).result()
+        return self.submit(req, pages, num_prompt_tokens, first_token, state=state,
+                           names=names).result()
 
     def submit(self, req: Req, pages: torch.Tensor, num_prompt_tokens: int,
                first_token: int, on_token: Callable[[int], None] | None = None, *,
-               state: PromptState | None = None) -> Future[list[int]]:
-        """Hand a request in (with a hybrid prompt's ``state``); ``on_token(t)`` sees each
+               state: PromptState | None = None,
+               names: Sequence[bytes] | None = None) -> Future[list[int]]:
+        """Hand a request in (with a hybrid prompt's ``state``, the prompt's page ``names``
+        as ``LocalEngine.decode`` takes them); ``on_token(t)`` sees each
         token after the first as it is drawn. The future holds every token, or the error
         that ended the request."""
         if self._closed:
@@ -94,7 +99,7 @@ class DecodeBatcher:
         self._live.add(req.rid)
         done.add_done_callback(lambda _: self._forget(req.rid))   # however it ends
         self._queue.put(_Job(req, pages, num_prompt_tokens, first_token, done, on_token,
-                             time.perf_counter(), state))
+                             time.perf_counter(), state, names))
         return done
 
     def cancel(self, rid: str) -> None:
@@ -157,7 +162,7 @@ class DecodeBatcher:
                 continue
             try:
                 seq = self.engine.start_decode(job.req, job.pages, job.num_prompt_tokens,
-                                               job.first_token, job.state)
+                                               job.first_token, job.state, job.names)
             except Exception as e:  # noqa: BLE001 - the caller gets it
                 job.done.set_exception(e)
                 continue

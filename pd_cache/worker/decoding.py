@@ -12,6 +12,8 @@ has taken it (the write keeps those at its checkpoints, ``pd_cache.kv.state``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from pd_cache.core.config import KVLayout, PDCacheConfig
@@ -55,27 +57,31 @@ class Decoding:
                 state)
 
     def decode(self, req: Req, prompt_kv_pages: torch.Tensor, num_prompt_tokens: int,
-               first_token: int, state: PromptState | None = None) -> list[int]:
+               first_token: int, state: PromptState | None = None,
+               names: Sequence[bytes] | None = None) -> list[int]:
         """Generate up to ``req.max_new_tokens`` tokens after the prompt (fewer when one is a
         stop token of ``req.sampling``); fills ``req.output_ids``.
 
         ``prompt_kv_pages`` (and a hybrid prompt's ``state``) are treated as read-only
         (they may be a shared-memory view). Raises ``ValueError`` if they have the wrong
         shape, dtype or page count, if a hybrid model gets no state, or if
-        ``num_prompt_tokens`` or ``first_token`` do not fit the request and the model.
+        ``num_prompt_tokens``, ``first_token`` or ``names`` (the prompt's page names as
+        prefill computed them; ``None``: named here) do not fit the request and the model.
         One request alone; ``start_decode`` / ``decode_step`` / ``finish_decode`` run
         several in one batch.
         """
-        seq = self.start_decode(req, prompt_kv_pages, num_prompt_tokens, first_token, state)
+        seq = self.start_decode(req, prompt_kv_pages, num_prompt_tokens, first_token, state,
+                                names)
         while not seq.done:
             req.check_deadline("decode")
             self.decode_step([seq])
         return self.finish_decode(seq)
 
     def start_decode(self, req: Req, prompt_kv_pages: torch.Tensor, num_prompt_tokens: int,
-                     first_token: int, state: PromptState | None = None) -> DecodeSeq:
+                     first_token: int, state: PromptState | None = None,
+                     names: Sequence[bytes] | None = None) -> DecodeSeq:
         """Check the handoff, copy the prompt's KV (and state) into private buffers, start
-        offload."""
+        offload under the prompt's page ``names``."""
         self._check_request(req)
         if num_prompt_tokens != len(req.input_ids):
             raise ValueError(f"num_prompt_tokens: {num_prompt_tokens} != prompt length "
@@ -89,7 +95,8 @@ class Decoding:
         recurrent = self._recurrent(state)
         offloading = None
         if self.offload is not None:
-            offloading = self.offload.offload_kv_cache(req, state.pages if state else None)
+            offloading = self.offload.offload_kv_cache(req, names,
+                                                       state.pages if state else None)
         n, steps = num_prompt_tokens, req.max_new_tokens
         # NOTE: one buffer for the whole sequence; the last token's KV is never needed.
         buf = kv.new_empty((*kv.shape[:2], n + max(steps, 1) - 1, *kv.shape[3:]))

@@ -5,12 +5,13 @@ workers can run them in different processes, handing the prompt's KV pages acros
 
     prefill(req)  name the prompt's full pages in req's namespace
                   match L1/L2 (lock, load back host pages)  ->  _match_storage (L3 seam:
-                  the CacheController prefetches from L3 into host slots, by policy)
+                  CacheController.fetch prefetches from L3 into host slots, by policy)
                   compute the rest of the prompt, cache its new full pages, unlock,
-                  write the new full pages through to L3 in the background
+                  CacheController.write_through: the new full pages to L3 (background)
                   -> PrefillOutput(first token, prompt KV pages, names, cached tokens)
-    decode(req, pages, n, first)  greedy/seeded steps over a private KV buffer; with L3
-                  the DecodeOffloadManager backs up prompt and generated pages
+    decode(req, pages, n, first, state, names)  greedy/seeded steps over a private KV
+                  buffer; with L3 the DecodeOffloadManager backs up prompt and generated
+                  pages (the prompt's under the names prefill gave them)
     start_decode / decode_step / finish_decode   the same, for several requests whose
                   steps run batched in one forward (continuous batching, see batching.py;
                   the decode half lives in decoding.py)
@@ -30,7 +31,6 @@ import logging
 import torch
 
 from pd_cache.core.config import PDCacheConfig
-from pd_cache.core.hashing import namespace_seed, to_hex
 from pd_cache.core.request import Req
 from pd_cache.core.stats import Stats
 from pd_cache.core.vocab import Event, MissReason, Tier
@@ -43,10 +43,10 @@ from pd_cache.model.digest import model_layout
 from pd_cache.model.hf_model import build_model
 from pd_cache.model.model import sample
 from pd_cache.storage.base import StorageBackend
-from pd_cache.tiering.controller import CacheController
+from pd_cache.tiering.controller import CacheController, StoredPages
 from pd_cache.tiering.offload import DecodeOffloadManager
 from pd_cache.worker.decoding import Decoding
-from pd_cache.worker.outputs import PrefillOutput, PromptState, Result, StoredPages
+from pd_cache.worker.outputs import PrefillOutput, PromptState, Result
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ class LocalEngine(Decoding):
         """Prefill then decode in this process; fills ``req.output_ids``."""
         out = self.prefill(req)
         tokens = self.decode(req, out.kv_pages, out.num_prompt_tokens, out.first_token,
-                             out.state)
+                             out.state, out.page_names)
         return Result(req.rid, tokens, out.cached_tokens, out.logits)
 
     def prefill(self, req: Req) -> PrefillOutput:
@@ -114,7 +114,7 @@ class LocalEngine(Decoding):
                                    algo=self.config.cache.hash_algo)
         # NOTE: at least the last prompt token is always computed: its logits give token 0.
         usable = (len(req.input_ids) - 1) // self.page_size
-        seed = namespace_seed(req.extra_key, req.cache_salt, self.config.cache.hash_algo)
+        seed = req.namespace_seed(self.config.cache.hash_algo)
         match, refused = self._audit(req, self.cache.match_prefix(key, max_pages=usable), seed)
         self.cache.lock(match.node)
         try:
@@ -161,7 +161,8 @@ class LocalEngine(Decoding):
         kept = {} if out.states is None else dict(zip(
             checkpoints(done, key.num_pages - 1, self.state_every), out.states))
         self.cache.insert(key, pages, seed, {**known, **kept})
-        self._write_through(req, key, done, pages, kept)
+        if self.controller is not None:
+            self.controller.write_through(req, key, done, pages, kept)
         logits = out.logits[-1]
         cached = {Tier.DEVICE.value: match.count(Tier.DEVICE) * self.page_size,
                   Tier.HOST.value: match.count(Tier.HOST) * self.page_size,
@@ -202,32 +203,13 @@ class LocalEngine(Decoding):
         if self.controller is None or not names:
             return StoredPages(torch.empty((0, *self.layout.page_shape),
                                            dtype=self.device_pool.data.dtype))
-        fetched = self.controller.prefetch(req, names, prefix)
-        try:
-            # NOTE: a hybrid prefix ends at its last page with a state (none: no page).
-            n = fetched.resume_pages
-            return StoredPages(fetched.read()[:n], fetched.cross_namespace,
-                               {i: s for i, s in fetched.states.items() if i < n})
-        finally:
-            fetched.release()
+        return self.controller.fetch(req, names, prefix)
 
     def _host_slots(self, n: int, owner: str) -> list[int]:
         """Up to ``n`` host slots for ``owner``, evicting unlocked L2 pages to make room."""
         if self.host_pool.num_free < n:
             self.cache.evict(Tier.HOST, n - self.host_pool.num_free)
         return self.host_pool.alloc(min(n, self.host_pool.num_free), owner)
-
-    def _write_through(self, req: Req, key: CacheKey, num_cached: int, pages: torch.Tensor,
-                       states: dict[int, torch.Tensor]) -> None:
-        """Back up the prompt's newly computed full pages (and a hybrid model's states at
-        their checkpoints) to L3, in the background."""
-        if self.controller is None or num_cached >= key.num_pages:
-            return
-        ps = self.page_size
-        self.controller.backup(req, key.names[num_cached:],
-                               key.tokens[num_cached * ps:key.num_pages * ps],
-                               pages[num_cached:key.num_pages], key.names[:num_cached],
-                               states={i - num_cached: s for i, s in states.items()})
 
     # -- for tests and operators ----------------------------------------------------------
 
@@ -238,12 +220,6 @@ class LocalEngine(Decoding):
         if self.state_pool is not None:
             usage["state"] = self.state_pool.usage()
         return usage
-
-    def page_names(self, req: Req) -> list[str]:
-        """Hex names of ``req``'s full prompt pages as this process computes them (debug)."""
-        key = CacheKey.for_request(req, page_size=self.page_size,
-                                   algo=self.config.cache.hash_algo)
-        return [to_hex(name) for name in key.names]
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for every L3 backup and offload write issued so far (``True``: all done)."""

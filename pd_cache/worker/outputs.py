@@ -1,6 +1,6 @@
-"""What the engine hands out: a prefill's output (``PrefillOutput``, with what L3
-supplied, ``StoredPages``, and a hybrid prompt's recurrent state, ``PromptState``), a
-finished request (``Result``) and a request being decoded (``DecodeSeq``)."""
+"""What the engine hands out: a prefill's output (``PrefillOutput``, with a hybrid
+prompt's recurrent state, ``PromptState``), a finished request (``Result``) and a request
+being decoded (``DecodeSeq``)."""
 
 from __future__ import annotations
 
@@ -62,16 +62,6 @@ class PrefillOutput(NamedTuple):
     seed: bytes = b""
     cross_namespace_pages: int = 0
     state: PromptState | None = None
-
-
-class StoredPages(NamedTuple):
-    """What L3 supplied: ``pages`` for the leading names, and the pages it offered that
-    another namespace had produced (refused). For a hybrid model ``pages`` end at a page
-    with a state, and ``states[i]`` is the state after page ``i`` (the last one at least)."""
-
-    pages: torch.Tensor
-    cross_namespace: int = 0
-    states: dict[int, torch.Tensor] | None = None
 
 
 class Result(NamedTuple):

@@ -13,7 +13,8 @@ Every reader audits the namespace without trusting the lookup: the prefill engin
 the producer's namespace seed stored with each cached page (radix node, L3 record) with its
 request's own, and the decode worker compares the handed-off KV's seed (``PrefillInfo.seed``)
 with its request's; a page that fails is refused, recomputed and counted
-(``cross_namespace_pages``).
+(``cross_namespace_pages``). Handed-off KV that passes keeps the names prefill computed for
+it (``PrefillInfo.page_names``): decode's offload writes the prompt's pages under them.
 """
 
 from __future__ import annotations
@@ -28,8 +29,7 @@ from typing import Any, NamedTuple
 import torch
 
 from pd_cache.core.config import PDCacheConfig
-from pd_cache.core.hashing import from_hex, namespace_seed
-from pd_cache.core.request import Req
+from pd_cache.core.request import Req, compute_prefix_hash
 from pd_cache.core.vocab import TIERS, Event, MissReason, namespace_kind
 from pd_cache.core.wire import DecodeInfo, PrefillInfo, WorkerState
 from pd_cache.metrics import PDCacheMetrics
@@ -59,8 +59,9 @@ class _Worker:
                                   metrics=metrics)
 
     def page_names(self, req: Req) -> list[bytes]:
-        """The request's prompt page names as this process's engine computes them (debug)."""
-        return [from_hex(name) for name in self.engine.page_names(req)]
+        """The request's prompt page names as this process computes them (debug)."""
+        return compute_prefix_hash(req, req.input_ids, page_size=self.page_size,
+                                   algo=self.config.cache.hash_algo)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for this worker's background L3 writes (write-through, offload)."""
@@ -172,11 +173,13 @@ class DecodeWorker(_Worker):
         received, first, refused = kv_pages, info.first_token, self._audit(req, info)
         state = None if states is None else PromptState.unpack(states, info.state_pages,
                                                                self.engine.layout)
-        if refused:
+        names: tuple[bytes, ...] | None = info.page_names
+        if refused:   # another namespace's KV, and names: this request's own are made here
             kv_pages, first, state = self.engine.compute_prompt(req)
+            names = None
         drawn: queue.SimpleQueue[int] = queue.SimpleQueue()
         done = self.batcher.submit(req, kv_pages, info.num_prompt_tokens, first, drawn.put,
-                                   state=state)
+                                   state=state, names=names)
         while not done.done() or not drawn.empty():
             try:
                 yield drawn.get(timeout=0.05)
@@ -195,8 +198,7 @@ class DecodeWorker(_Worker):
 
     def _audit(self, req: Req, info: PrefillInfo) -> int:
         """Pages handed off for another namespace than ``req``'s (all of them, or 0)."""
-        if info.seed == namespace_seed(req.extra_key, req.cache_salt,
-                                       self.config.cache.hash_algo):
+        if info.seed == req.namespace_seed(self.config.cache.hash_algo):
             return 0
         log.error("request %s: the handed-off KV was computed in another namespace; "
                   "refused, recomputing the prompt", req.rid)
@@ -206,12 +208,6 @@ class DecodeWorker(_Worker):
     def close(self) -> None:
         self.batcher.close()
         super().close()
-
-    def page_names(self, req: Req) -> list[bytes]:
-        """The prompt page names the offload manager writes under (the engine's without L3)."""
-        if self.engine.offload is None:
-            return super().page_names(req)
-        return self.engine.offload.compute_prefix_hash(req, req.input_ids)
 
     def _record(self, req: Req, info: PrefillInfo, result: DecodeInfo,
                 pages: torch.Tensor) -> None:

@@ -172,7 +172,8 @@ def test_decode_calls_in_flight_share_batched_steps(cluster: PDCluster, model: M
     before = sum(s.get("decode/step", 0) for s in cluster.engine_stats().values())
 
     async def run() -> list[Any]:
-        prefilled = await asyncio.gather(*(cluster._prefill(r, None) for r in reqs))
+        prefilled = await asyncio.gather(*(cluster._prefill(r, cluster.router_names(r), None)
+                                           for r in reqs))
         return await asyncio.gather(*(cluster._decode(r, info, ref, 0)
                                       for r, (info, ref) in zip(reqs, prefilled)))
 

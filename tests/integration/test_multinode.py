@@ -120,7 +120,7 @@ def test_handed_off_pages_are_copied_to_the_decode_node(cluster: PDCluster,
     r = Req(rid="handoff", input_ids=random.Random(5).sample(range(VOCAB), 13),
             cache_salt="tenant-h", max_new_tokens=3)
     info_ref, pages_ref, _ = cluster.prefill[0].prefill.remote(r)
-    out = ray.get(cluster.decode[0].decode.remote(r, ray.get(info_ref), [pages_ref]))
+    out = ray.get(cluster.decode[0].decode_handoff.remote(r, ray.get(info_ref), [pages_ref]))
     assert out.pages_received == -(-13 // PS)
     # made on A, pulled to B by the object manager (B reports its copy asynchronously)
     deadline, where = time.monotonic() + 10, set()

@@ -5,12 +5,14 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from pd_cache.core.hashing import MAX_TOKEN
 from pd_cache.core.request import Req, SamplingParams
 
 
-def admit(**fields):
-    base = {"rid": "r1", "input_ids": [1, 2, 3]}
-    return Req.admit(**{**base, **fields})
+def admit(vocab_size=MAX_TOKEN, max_context=None, **fields):
+    req = Req(**{"rid": "r1", "input_ids": [1, 2, 3], **fields})
+    req.check_model(vocab_size=vocab_size, max_context=max_context)
+    return req
 
 
 def test_defaults_are_greedy_and_empty_output() -> None:
@@ -78,3 +80,43 @@ def test_stop_token_ids_are_token_ids_inside_the_vocabulary() -> None:
             SamplingParams(stop_token_ids=bad)
     with pytest.raises(ValueError, match=r"sampling.stop_token_ids: token id 999 .*\[0, 100\)"):
         admit(sampling=SamplingParams(stop_token_ids=(5, 999)), vocab_size=100)
+
+
+def test_a_process_derives_the_seed_once_and_never_receives_it(monkeypatch) -> None:
+    import pickle
+
+    from pd_cache.core import request
+    from pd_cache.core.hashing import namespace_seed, page_hashes
+    from pd_cache.core.request import compute_prefix_hash
+
+    calls = []
+
+    def counted(*args):
+        calls.append(args)
+        return namespace_seed(*args)
+
+    monkeypatch.setattr(request, "namespace_seed", counted)
+    req = admit(input_ids=list(range(12)), extra_key="lora", cache_salt="t")
+    assert req.namespace_seed() == namespace_seed("lora", "t")
+    assert compute_prefix_hash(req, req.input_ids, page_size=4) == \
+        page_hashes(req.input_ids, 4, extra_key="lora", cache_salt="t")
+    assert req.namespace_seed("sha256") == namespace_seed("lora", "t", "sha256")
+    assert len(calls) == 2                       # once per algorithm, in this process
+    # Neither the wire nor pickle carries it: a receiver derives its own from its fields.
+    for received in (msgspec.msgpack.decode(msgspec.msgpack.encode(req), type=Req),
+                     pickle.loads(pickle.dumps(req)),
+                     msgspec.structs.replace(req, cache_salt="u")):
+        assert received.namespace_seed() == namespace_seed("lora", received.cache_salt)
+    assert len(calls) == 5
+
+
+def test_admission_runs_once_per_model_in_a_process() -> None:
+    import pickle
+
+    req = admit(input_ids=[5, 700], vocab_size=1000)
+    req.input_ids[1] = 2000                      # never done: fields do not change once admitted
+    req.check_model(vocab_size=1000)             # admitted against this model already
+    with pytest.raises(ValueError, match="input_ids\\[1\\]"):
+        req.check_model(vocab_size=1500)         # another model checks again
+    with pytest.raises(ValueError, match="input_ids\\[1\\]"):
+        pickle.loads(pickle.dumps(req)).check_model(vocab_size=1000)   # another process too

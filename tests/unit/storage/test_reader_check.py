@@ -69,14 +69,14 @@ def test_pages_asked_for_under_names_of_other_tokens_are_refused() -> None:
     store = filled_store(cfg, [Req(rid="a", input_ids=a, max_new_tokens=1)])
     names_a = page_hashes(a, PS)
     engine = LocalEngine(cfg, storage=store)
-    real = engine.controller.prefetch
+    real = engine.controller.reader.prefetch
 
     def mapped(req: Req, names: Sequence[bytes], prefix: Sequence[bytes] = ()) -> object:
         # A naming bug upstream: b's request asks for a's pages (same namespace, so the
         # store's chain check and the seed audit pass; only b's own tokens tell).
         return real(req, names_a[len(prefix):len(prefix) + len(names)], prefix)
 
-    engine.controller.prefetch = mapped
+    engine.controller.reader.prefetch = mapped
     r = Req(rid="r", input_ids=b, max_new_tokens=8)
     result = engine.generate(r)
     assert result.output_ids == reference(engine, r)

@@ -193,7 +193,7 @@ def test_a_prefetch_under_another_namespace_is_refused_and_the_worker_keeps_serv
     other = page_hashes(p, PS, cache_salt="a")
     # A caller bug hands b's request a's names: L3 checks them against the request's own
     # namespace seed (prefix_keys=[]: the chain starts there), refuses, and nothing lands.
-    fetched = engine.controller.prefetch(r, other[:5])
+    fetched = engine.controller.reader.prefetch(r, other[:5])
     assert fetched.num_pages == 0
     assert store.stats()["miss/namespace_refused"] == 1
     assert engine.stats.get(Event.MISS, MissReason.NOT_STORED) == 5
@@ -264,7 +264,7 @@ def test_controller_refuses_bad_arguments() -> None:
     ctl = CacheController(store, engine.host_pool, cfg.storage)
     r = Req(rid="r", input_ids=prompt(12, 20))
     with pytest.raises(ValueError, match="backup"):
-        ctl.backup(r, page_hashes(r.input_ids, PS)[:2], r.input_ids[:5],
+        ctl.writer.backup(r, page_hashes(r.input_ids, PS)[:2], r.input_ids[:5],
                    torch.zeros((2, *cfg.layout.page_shape)))
     ctl.close()
     disabled = dataclasses.replace(cfg, storage=dataclasses.replace(cfg.storage, enabled=False))

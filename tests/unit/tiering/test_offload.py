@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pd_cache.core.hashing import namespace_seed, page_hashes
-from pd_cache.core.request import Req
+from pd_cache.core.request import Req, compute_prefix_hash
 from pd_cache.core.vocab import GENERATED, OFFLOAD, PROMPT
 from pd_cache.storage import make_backend
 from pd_cache.tiering.offload import DecodeOffloadManager
@@ -40,7 +40,7 @@ def test_decode_names_equal_page_hashes_of_the_full_sequence(ns: tuple) -> None:
     assert decode_side.stats.get(OFFLOAD, PROMPT) == 5
     assert decode_side.stats.get(OFFLOAD, GENERATED) == 4
     # the manager reads the namespace from the request itself
-    assert decode_side.offload.compute_prefix_hash(r, seq) == page_hashes(
+    assert compute_prefix_hash(r, seq, page_size=PS) == page_hashes(
         seq, PS, extra_key=ns[0], cache_salt=ns[1])
     prefill_side.close()
     decode_side.close()
@@ -198,5 +198,35 @@ def test_offload_writes_carry_prefix_keys_continuing_the_chain(on: bool) -> None
         # pages continue the prompt's chain; a list handed over is never changed afterwards
         assert list(info.prefix_keys) == copy == names[:start], (op, start)
     assert store.inner.batch_exists(names) == 8
+    prefill_side.close()
+    decode_side.close()
+
+
+def test_decode_writes_the_prompt_under_the_names_prefill_handed_over(monkeypatch) -> None:
+    from pd_cache.tiering import offload
+
+    cfg = config(batch=4)
+    store = Wrapper(make_backend(cfg.storage, cfg.layout))
+    prefill_side, decode_side = LocalEngine(cfg), LocalEngine(cfg, storage=store)
+    r = req("r", prompt(23, 22), ("lora-1", None), 9)
+    out = prefill_side.prefill(r)
+    priors, real = [], offload.compute_prefix_hash
+
+    def spy(req: Req, tokens: list[int], prior: bytes | None = None, **kw: object) -> list:
+        priors.append(prior)
+        return real(req, tokens, prior, **kw)
+
+    monkeypatch.setattr(offload, "compute_prefix_hash", spy)
+    decode_side.decode(r, out.kv_pages, out.num_prompt_tokens, out.first_token,
+                       names=out.page_names)
+    assert decode_side.flush(10)
+    assert priors == [out.page_names[-1]]   # only the answer's pages named, continuing them
+    written = [k for op, keys, *_ in store.calls if op == "set" for k in keys]
+    assert written[:5] == list(out.page_names) and len(written) == (22 + 9 - 1) // PS
+    again = req("r2", r.input_ids, ("lora-1", None), 3)
+    with pytest.raises(ValueError, match="names: 4 page names for a prompt of 5 full pages"):
+        decode_side.decode(again, out.kv_pages, out.num_prompt_tokens, out.first_token,
+                           names=out.page_names[:-1])
+    assert decode_side.locks_held() == 0
     prefill_side.close()
     decode_side.close()
