@@ -33,11 +33,12 @@ from typing import Any
 
 import msgspec
 
+from pd_cache.cluster.calls import abandon, unwrap
 from pd_cache.cluster.health import Liveness, WorkerDied, ping_all, worker_died
 from pd_cache.cluster.operations import NAMESPACE, ClusterOperations
 from pd_cache.cluster.router import PrefixRouter
 from pd_cache.core.cluster_config import ClusterConfig
-from pd_cache.core.request import DeadlineExceeded, Req, compute_prefix_hash
+from pd_cache.core.request import Req, compute_prefix_hash
 from pd_cache.core.vocab import TIERS
 from pd_cache.core.wire import Completion, DecodeInfo, PageNames, PrefillInfo
 
@@ -194,10 +195,11 @@ class PDCluster(ClusterOperations):
                              handoff: Any) -> AsyncIterator[int | DecodeInfo]:
         worker = self._pick_decode(None)
         self.decode_router.begin(worker)
-        actor, finished = self.decode[worker], False
+        actor, finished, calls = self.decode[worker], False, None
         try:
-            async for ref in actor.stream_handoff.remote(req, info, handoff):
-                item = await _unwrap(ref)
+            calls = actor.stream_handoff.remote(req, info, handoff)
+            async for ref in calls:
+                item = await unwrap(ref)
                 finished = isinstance(item, DecodeInfo)
                 yield item
         except Exception as e:
@@ -207,7 +209,7 @@ class PDCluster(ClusterOperations):
         finally:
             self.decode_router.end(worker)
             if not finished:   # the consumer stopped early or the call failed: stop decoding
-                actor.cancel.remote(req.rid)
+                self._stop_decode(worker, req.rid, calls)
 
     def generate(self, req: Req | Mapping[str, Any], **route: int | None) -> Completion:
         return asyncio.run(self.generate_async(req, **route))
@@ -242,6 +244,9 @@ class PDCluster(ClusterOperations):
         try:
             info_ref, *handoff = self.prefill[worker].prefill.remote(req)
             info = await self._call("prefill", worker, info_ref)
+        except asyncio.CancelledError:
+            abandon(info_ref)   # its caller went away: a prefill still queued never runs
+            raise
         finally:
             self.prefill_router.end(worker)
         self.prefill_router.record(worker, info.page_names)
@@ -254,8 +259,17 @@ class PDCluster(ClusterOperations):
         try:
             ref = self.decode[worker].decode_handoff.remote(req, info, handoff)
             return await self._call("decode", worker, ref)
+        except asyncio.CancelledError:
+            self._stop_decode(worker, req.rid, ref)
+            raise
         finally:
             self.decode_router.end(worker)
+
+    def _stop_decode(self, worker: int, rid: str, ref: Any) -> None:
+        """Its caller went away: a decode call still queued never runs, one in the batch
+        leaves it at the worker's next step."""
+        abandon(ref)
+        self.decode[worker].cancel.remote(rid)
 
     def _pick_decode(self, pinned: int | None, failed: Sequence[int] = ()) -> int:
         """The decode worker for a request: ``pinned``, else the fullest batch with room
@@ -274,7 +288,7 @@ class PDCluster(ClusterOperations):
         """Await a worker's call: its own errors come back as themselves, a dead worker
         (or lost pages) as ``WorkerDied`` after the worker is marked down."""
         try:
-            return await _unwrap(ref)
+            return await unwrap(ref)
         except Exception as e:
             if worker_died(e):
                 raise self.liveness[role].died(worker, e) from e
@@ -313,20 +327,6 @@ def _namer(name: str | None) -> Any:
     def options(role: str, i: int) -> dict[str, Any] | None:
         return named(f"{name}/{role}-{i}", NAMESPACE) if name else None
     return options
-
-
-async def _unwrap(ref: Any) -> Any:
-    """Await a Ray call; a ``ValueError`` or ``DeadlineExceeded`` raised in the actor comes
-    back as itself."""
-    import ray
-
-    try:
-        return await ref
-    except ray.exceptions.RayTaskError as exc:
-        for kind in (ValueError, DeadlineExceeded):
-            if isinstance(exc.cause, kind):
-                raise kind(str(exc.cause)) from None
-        raise
 
 
 def totals(completions: Iterable[Completion]) -> dict[str, Any]:

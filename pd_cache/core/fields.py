@@ -101,4 +101,6 @@ def from_mapping(cls: type[T], values: Mapping[str, Any], where: str = "") -> T:
         return msgspec.convert(dict(values), cls)
     except msgspec.ValidationError as exc:
         at = str(exc).rpartition("`$.")[2].rstrip("`")
-        raise ValueError(f"{where}{at if at != str(exc) else 'args'}: {exc}") from None
+        if at == str(exc):   # a check of the class's own: its message names the field
+            raise ValueError(f"{where}{exc}") from None
+        raise ValueError(f"{where}{at}: {exc}") from None

@@ -65,12 +65,14 @@ class DecodeInfo(msgspec.Struct, frozen=True, gc=False):
 
 
 class WorkerState(NamedTuple):
-    """Between requests: locks 0 and every pool slot owned by the cache (``radix``)."""
+    """Between requests: locks 0, every pool slot owned by the cache (``radix``), and no
+    request in a decode worker's hands (``requests``: the rids it decodes or has queued)."""
 
     worker: int
     role: str
     locks: int
     pool_usage: dict[str, dict[str, int]]
+    requests: tuple[str, ...] = ()
 
 
 class Completion(NamedTuple):

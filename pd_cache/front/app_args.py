@@ -26,15 +26,21 @@ class IngressConfig:
     cluster_name: str | None = "pd-cache"
     api_keys_file: str | None = None
     max_pending: int = 256
+    ingress_replicas: int = 1
 
     def __post_init__(self) -> None:
         for name in ("request_timeout_s", "health_timeout_s"):
             check_positive(name, getattr(self, name))
-        check_positive_int("max_body_bytes", self.max_body_bytes)
-        check_positive_int("max_pending", self.max_pending)
+        for name in ("max_body_bytes", "max_pending", "ingress_replicas"):
+            check_positive_int(name, getattr(self, name))
         if self.cluster_name is not None and not re.fullmatch(r"[\w.-]{1,64}", self.cluster_name):
             raise ValueError(f"cluster_name: expected 1-64 of [A-Za-z0-9_.-] or null, got "
                              f"{self.cluster_name!r}")
+        # NOTE: an unnamed cluster belongs to the replica that starts it: two replicas would
+        # start two clusters, each with the whole config's workers.
+        if self.ingress_replicas > 1 and self.cluster_name is None:
+            raise ValueError(f"ingress_replicas: {self.ingress_replicas} replicas must share "
+                             f"one named cluster; set cluster_name (or ingress_replicas: 1)")
 
 
 class AppArgs(NamedTuple):

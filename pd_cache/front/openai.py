@@ -17,18 +17,14 @@ tokens by tier, server timings, workers).
 
 from __future__ import annotations
 
-import itertools
 import json
-import os
+import secrets
 import time
 from typing import Annotated, Any
 
 import msgspec
 
 from pd_cache.core.wire import Completion
-
-_ids = itertools.count()
-_PREFIX = os.urandom(4).hex()
 
 
 class StreamOptions(msgspec.Struct):
@@ -91,7 +87,8 @@ class ChatRequest(_Common, kw_only=True):
 
 
 def request_id(chat: bool) -> str:
-    return f"{'chatcmpl' if chat else 'cmpl'}-{_PREFIX}{next(_ids):08x}"
+    """A random id: no count of the requests before it (other tenants' included)."""
+    return f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
 
 
 def usage(out: Completion) -> dict[str, Any]:

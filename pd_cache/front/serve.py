@@ -14,8 +14,13 @@ needs ``Authorization: Bearer <key>`` and the namespace is derived from the key'
 (``pd_cache.front.tenants``); without one the server is open (loopback only). At most
 ``max_pending`` requests are admitted at once; beyond that, 429 with ``Retry-After``.
 Errors are OpenAI's shape (``pd_cache.front.http``). Streams are Server-Sent Events,
-one chunk per token as decode draws it (``PDCluster.stream``); a client that goes away
-cancels its request's decode.
+one chunk per token as decode draws it (``PDCluster.stream``). A client that goes away,
+streaming or not, cancels its request: Serve cancels the handler's task, and the cluster
+drops the request from its prefill queue or decode batch.
+
+``ingress_replicas`` replicas (each with its own router and ``max_pending``) share one
+named cluster; request and completion ids are random, so they are unique across replicas
+and tell no tenant how many requests others sent.
 
 ``app_builder(args)`` builds the application from a Serve config's ``args`` (see
 ``deployments/serve_config.yaml``); ``app`` is the same builder, for ``import_path``.
@@ -24,9 +29,9 @@ cancels its request's decode.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import os
+import secrets
 import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -83,7 +88,6 @@ class PDCacheIngress:
         self.model = args.cluster.model
         # NOTE: a checkpoint's own tokenizer and chat template; the byte one for presets.
         self.tokenizer = tokenizer_for(self.cluster.pd.model)
-        self._rids = itertools.count()
         self._pending = 0
 
     async def __call__(self, request: Any) -> Any:
@@ -211,15 +215,17 @@ class PDCacheIngress:
                  names: Mapping[str, str] | None = None) -> tuple[Req, str]:
         """The checked ``Req``; its namespace salt is the tenant's when keys are on. A
         refusal names the field as ``names`` say the client's body called it."""
-        n = next(self._rids)
-        shown = rid if rid is not None else f"http-{n}"
+        tag = secrets.token_hex(8)
+        shown = rid if rid is not None else f"http-{tag}"
         if self.tenants is not None:
             salt = self.tenants.cache_salt(tenant, salt)
         # NOTE: the cluster keys slots and locks by rid, so two clients reusing one rid
-        # must not collide: the internal rid is unique, the reply echoes the client's. The
+        # must not collide, nor two ingress replicas: the internal rid is random (no count
+        # a tenant could read others' traffic from), the reply echoes the client's. The
         # deadline starts here, when the ingress has the request: Serve hands over no
         # arrival time, so time spent in Serve's own queues is not counted.
-        fields = {"rid": f"{shown}#{n}", "input_ids": ids, "max_new_tokens": max_new,
+        fields = {"rid": shown if rid is None else f"{rid}#{tag}", "input_ids": ids,
+                  "max_new_tokens": max_new,
                   "sampling": sampling, "cache_salt": salt, "extra_key": extra_key,
                   "deadline": time.time() + self.args.request_timeout_s}
         try:
@@ -305,7 +311,8 @@ def _unavailable(req: Req, exc: BaseException) -> HTTPError:
 
 def app_builder(args: Mapping[str, Any] | None = None) -> Any:
     """The Serve application of a config's ``args``; ``ValueError`` naming a bad arg."""
-    return PDCacheIngress.bind(AppArgs.parse(args))  # bad args fail here, before any actor
+    parsed = AppArgs.parse(args)   # bad args fail here, before any actor
+    return PDCacheIngress.options(num_replicas=parsed.ingress.ingress_replicas).bind(parsed)
 
 
 app = app_builder

@@ -108,6 +108,10 @@ class DecodeBatcher:
         if rid in self._live:
             self._cancelled.add(rid)
 
+    def in_flight(self) -> tuple[str, ...]:
+        """The rids handed in and not settled yet (in the batch or waiting for a place)."""
+        return tuple(sorted(self._live.copy()))   # NOTE: copy() is atomic; other threads add
+
     def _forget(self, rid: str) -> None:
         self._live.discard(rid)
         self._cancelled.discard(rid)

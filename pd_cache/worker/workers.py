@@ -196,6 +196,9 @@ class DecodeWorker(_Worker):
         """Stop decoding request ``rid`` (its client went away)."""
         self.batcher.cancel(rid)
 
+    def state(self) -> WorkerState:
+        return super().state()._replace(requests=self.batcher.in_flight())
+
     def _audit(self, req: Req, info: PrefillInfo) -> int:
         """Pages handed off for another namespace than ``req``'s (all of them, or 0)."""
         if info.seed == req.namespace_seed(self.config.cache.hash_algo):

@@ -10,6 +10,7 @@ import importlib
 import json
 import os
 import random
+import re
 import signal
 import time
 import urllib.error
@@ -228,6 +229,31 @@ def test_only_json_bodies_and_plain_rids(server: Server) -> None:
     assert (status, answer["error"]["param"]) == (400, "rid")
     status, answer = call(server.url + "/v1/generate", {**GOOD, "rid": "a\nb"})
     assert (status, answer["error"]["param"]) == (400, "rid")
+
+
+def test_ids_are_random_and_no_error_counts_requests(server: Server) -> None:
+    """No id a client sees (its rid, a completion's id, a request named in an error) counts
+    the requests before it: a tenant learns nothing of how many others sent."""
+    def number(text: str, pattern: str) -> int:
+        match = re.fullmatch(pattern, text)
+        assert match, (pattern, text)
+        return int(match.group(1), 16)
+
+    def far_apart(numbers: list[int]) -> bool:   # a counter puts them 1 apart
+        return all(abs(b - a) > 1 << 32 for a, b in zip(numbers, numbers[1:]))
+
+    rids = [call(server.url + "/v1/generate", GOOD)[1]["rid"] for _ in range(3)]
+    assert far_apart([number(r, r"http-([0-9a-f]{16})") for r in rids])
+    body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 1}
+    ids = [call(server.url + "/v1/completions", body)[1]["id"] for _ in range(3)]
+    assert far_apart([number(i, r"cmpl-([0-9a-f]{24})") for i in ids])
+    named = []
+    for _ in range(3):   # an error that names the request names a random id
+        status, answer = call(server.url + "/v1/generate", {"input_ids": []})
+        assert status == 400, answer
+        rid = re.search(r"rid='([^']*)'", answer["error"]["message"]).group(1)
+        named.append(number(rid, r"http-([0-9a-f]{16})"))
+    assert far_apart(named)
 
 
 def test_unknown_route_and_wrong_method(server: Server) -> None:

@@ -78,13 +78,19 @@ def test_serve_config_passes_ray_serve_schema():
     assert schema.applications[0].import_path == "pd_cache.front.serve:app"
 
 
-def test_rayservice_embeds_the_serve_config_verbatim():
+_REPLICAS = re.compile(r"^(\s*ingress_replicas:) \d+$", re.MULTILINE)
+
+
+def test_rayservice_embeds_the_serve_config_verbatim_but_for_the_replica_count():
     service = load("rayservice.yaml")
     assert (service["apiVersion"], service["kind"]) == ("ray.io/v1", "RayService")
-    embedded = service["spec"]["serveConfigV2"]
+    embedded, local = service["spec"]["serveConfigV2"], SERVE_CONFIG.read_text()
     assert isinstance(embedded, str)
-    assert embedded == SERVE_CONFIG.read_text()
-    assert yaml.safe_load(embedded) == yaml.safe_load(SERVE_CONFIG.read_text())
+    # One replica locally; two on Kubernetes, so that one may die while the other serves.
+    replicas = [yaml.safe_load(text)["applications"][0]["args"]["ingress_replicas"]
+                for text in (local, embedded)]
+    assert replicas == [1, 2]
+    assert _REPLICAS.sub(r"\1 N", embedded) == _REPLICAS.sub(r"\1 N", local)
 
 
 def test_raycluster_and_podmonitor_kinds():
