@@ -86,8 +86,8 @@ def test_a_context_overflow_names_what_the_client_sent(chat: bool, sent: dict[st
     body = decode_json(json.dumps({"model": "m", **prompt, **sent}).encode(),
                        ChatRequest if chat else CompletionRequest)
     with pytest.raises(ValueError) as err:
-        Req.admit(rid="r", input_ids=[1] * 1020, max_new_tokens=body.new_tokens,
-                  max_context=1024)
+        Req(rid="r", input_ids=[1] * 1020,
+            max_new_tokens=body.new_tokens).check_model(max_context=1024)
     refused = value_error(err.value, client_names(body, chat))
     assert refused.param == prompt_field
     assert "input_ids" not in refused.message and "max_new_tokens" not in refused.message
@@ -99,11 +99,11 @@ def test_a_token_outside_the_vocabulary_names_the_prompt_or_the_messages() -> No
         body = ChatRequest(model="m", messages=[]) if chat else \
             CompletionRequest(model="m", prompt=[1, 2, 10**6])
         with pytest.raises(ValueError) as err:
-            Req.admit(rid="r", input_ids=[1, 2, 10**6], vocab_size=512)
+            Req(rid="r", input_ids=[1, 2, 10**6]).check_model(vocab_size=512)
         assert value_error(err.value, client_names(body, chat)).param == want
     with pytest.raises(ValueError) as err:
-        Req.admit(rid="r", input_ids=[1], vocab_size=512,
-                  sampling=SamplingParams(stop_token_ids=(600,)))
+        Req(rid="r", input_ids=[1],
+            sampling=SamplingParams(stop_token_ids=(600,))).check_model(vocab_size=512)
     body = CompletionRequest(model="m", prompt="x")
     assert value_error(err.value, client_names(body, False)).param == "stop_token_ids"
 
