@@ -247,13 +247,9 @@ def _local_metrics_url() -> str | None:
 
 def _l3_tokens(cfg: ClusterConfig) -> int | None:
     """The cluster's L3 capacity in tokens (what the LRU oracle holds)."""
-    from pd_cache.kv.pages import kv_torch_dtype
-
     if not cfg.with_storage:
         return None
-    layout = cfg.pd_config.layout
-    page_bytes = math.prod(layout.page_shape) * kv_torch_dtype(layout.kv_dtype).itemsize
-    return cfg.storage_capacity_bytes // page_bytes * cfg.page_size
+    return cfg.storage_capacity_bytes // cfg.pd_config.layout.page_nbytes * cfg.page_size
 
 
 def _describe(args: argparse.Namespace, workload: Workload,
