@@ -14,12 +14,18 @@ core utilization; ``amdahl_bound_ratio`` = off time / bound, ``efficiency`` =
 ``throughput_ratio / amdahl_bound_ratio``. The CPU seconds each role (prefill, decode,
 storage, Ray's raylet and GCS, this driver) used in each mode say where the rest goes.
 
+The load is ``pd-cache bench``'s closed loop (its multi-turn workload at rate inf, each
+client sending its next turn when its own answer is in; ``--lockstep``: round by round) with
+whole answers (``LocalTarget(stream=False)``: ``PDCluster.generate_async``, as before the
+bench took this shape); every prompt starts with a 64-token preamble shared by all tenants.
+
 Writes benchmarks/results/pd.json (``throughput_ratio`` and ``ttft_p50_ratio`` are on/off).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import platform
@@ -27,9 +33,11 @@ import time
 from pathlib import Path
 
 from pd_cache import ClusterConfig, PDCluster, Req
-from pd_cache.app.run import percentile, run_workload
+from pd_cache.app.bench.runner import run_open_loop
+from pd_cache.app.bench.targets import LocalTarget
+from pd_cache.app.bench.workloads import Workload, multi_turn_workload
+from pd_cache.app.run import percentile
 from pd_cache.app.session import ray_session
-from pd_cache.app.workload import WorkloadConfig
 from pd_cache.cluster.pd_cluster import totals
 
 SEED = 1234
@@ -75,14 +83,25 @@ def _process_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def measure(cfg: ClusterConfig, wl: WorkloadConfig, lockstep: bool) -> dict:
+def workload(wl: dict) -> Workload:
+    """The bench's multi-turn stream of ``wl`` (``main``'s shape)."""
+    return multi_turn_workload(wl["tenants"], wl["clients_per_tenant"], wl["rounds"],
+                               system_tokens=wl["system_tokens"],
+                               user_tokens=wl["user_tokens"], output_tokens=wl["output_tokens"],
+                               vocab_size=wl["vocab_size"], seed=wl["seed"],
+                               preamble_tokens=wl["preamble_tokens"])
+
+
+def measure(cfg: ClusterConfig, stream: Workload, lockstep: bool) -> dict:
     cluster = PDCluster.start(cfg)
     try:
         warm_up(cluster)
         pids = actor_pids(cluster)
         cpu_before, driver_before = cpu_seconds(pids), _own_cpu()
+        target = LocalTarget(cluster, stream=False)
         start = time.perf_counter()
-        done = run_workload(cluster, wl, lockstep=lockstep)
+        run = asyncio.run(run_open_loop(target, stream.requests, [0.0] * len(stream.requests),
+                                        lockstep=lockstep))
         seconds = time.perf_counter() - start
         cluster.flush()
         cpu = {role: t - cpu_before[role] for role, t in cpu_seconds(pids).items()}
@@ -90,6 +109,10 @@ def measure(cfg: ClusterConfig, wl: WorkloadConfig, lockstep: bool) -> dict:
         writes = cluster.l3_writes()
     finally:
         cluster.shutdown()
+    failed = [r.error for r in run.records if not r.ok]
+    if failed:
+        raise SystemExit(f"{len(failed)} requests failed, the first: {failed[0]}")
+    done = [target.completions[r.index] for r in stream.requests]
     t = totals(done)
     ttft = [c.ttft_s for c in done]
     generated = sum(len(c.output_ids) for c in done)
@@ -183,8 +206,11 @@ def main() -> None:
                              "instead of each client sending its next turn when its own "
                              "answer is in; the same in both modes")
     args = parser.parse_args()
-    wl = WorkloadConfig(tenants=4 * args.scale, clients_per_tenant=2, system_tokens=1024,
-                        rounds=args.rounds, user_tokens=256, output_tokens=32, seed=SEED)
+    wl = {"tenants": 4 * args.scale, "clients_per_tenant": 2, "system_tokens": 1024,
+          "rounds": args.rounds, "user_tokens": 256, "output_tokens": 32,
+          "preamble_tokens": 64, "vocab_size": 4096,
+          "seed": SEED}
+    stream = workload(wl)
     base = ClusterConfig(model=args.model, device_pages=512, host_pages=2048,
                          decode_batch=args.decode_batch, decode_pack=args.decode_pack,
                          threads=args.threads)
@@ -192,7 +218,7 @@ def main() -> None:
     with ray_session(None):
         for mode, cache in (("on", True), ("off", False)):
             cfg = ClusterConfig(**{**base.__dict__, "cache": cache})
-            results[mode] = measure(cfg, wl, args.lockstep)
+            results[mode] = measure(cfg, stream, args.lockstep)
             r = results[mode]
             print(f"cache {mode:>3}: {r['seconds']:.2f} s, {r['requests_per_s']:.2f} req/s, "
                   f"{r['generated_tokens_per_s']:.1f} tok/s, TTFT p50 "
@@ -230,7 +256,8 @@ def main() -> None:
              "mean_saved_fraction": sum(fractions.values()) / len(fractions)}
     out = {
         "benchmark": "pd_cluster_multi_turn", "seed": SEED, "model": args.model,
-        "workload": wl.__dict__, "decode_batch": args.decode_batch,
+        "workload": {**wl, "stream": stream.describe(), "lockstep": args.lockstep},
+        "decode_batch": args.decode_batch,
         "decode_pack": args.decode_pack, "machine": {"cpus": os.cpu_count(),
                                              "python": platform.python_version()},
         "on": on, "off": off, "outputs_equal": same,

@@ -295,7 +295,7 @@ def bench_hybrid(repeats: int, batch_pages: int) -> dict[str, Any]:
     """KV + trailing state at checkpoints (v2) against KV alone (v1), same stored pages."""
     cfg = config(HYBRID_MODEL, 1)
     layout = cfg.layout
-    page_bytes = torch.Size(layout.page_shape).numel() * 2
+    page_bytes = layout.page_nbytes
     n = TOTAL_BYTES // page_bytes
     gen = torch.Generator().manual_seed(SEED)
     payloads = [torch.randn(layout.page_shape, generator=gen).to(torch.bfloat16)
@@ -541,7 +541,7 @@ def main() -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(SEED)
     layout = config(BIG_MODEL, 1).layout
-    page_bytes = torch.Size(layout.page_shape).numel() * 2
+    page_bytes = layout.page_nbytes
     n = TOTAL_BYTES // page_bytes
     payloads = [torch.randn(layout.page_shape).to(torch.bfloat16) for _ in range(n)]
     pool = torch.empty((n, *layout.page_shape), dtype=torch.bfloat16)

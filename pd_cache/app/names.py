@@ -1,11 +1,10 @@
 """``pd-cache names``: name a multi-tenant conversation workload's pages and show reuse.
 
-(``pd-cache run``, the cluster job, lives in ``pd_cache.app.run``.)
-
-Every tenant's prompts start with the same platform preamble, so the token sequences
-overlap across tenants; the page names must not. The report shows, per tenant, how many
-of its pages were already named by an earlier request of the same namespace (reusable)
-and how many names it shares with any other namespace (must be 0).
+The workload is ``pd-cache bench``'s multi-turn chat (``bench.workloads``) with answers left
+empty: no model runs here. Every tenant's prompts start with the same platform preamble, so
+the token sequences overlap across tenants; the page names must not. The report shows, per
+tenant, how many of its pages were already named by an earlier request of the same
+namespace (reusable) and how many names it shares with any other namespace (must be 0).
 """
 
 from __future__ import annotations
@@ -14,10 +13,10 @@ import argparse
 import time
 from collections import defaultdict
 
-import numpy as np
-
-from pd_cache.app.workload import Conversation, WorkloadConfig, make_conversations
+from pd_cache.app.bench.workloads import BenchRequest, multi_turn_workload
 from pd_cache.core.hashing import page_hashes, to_hex
+
+PREAMBLE_TOKENS = 128
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,32 +28,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = WorkloadConfig(tenants=args.tenants, clients_per_tenant=args.clients,
-                         system_tokens=256, rounds=args.rounds, user_tokens=64,
-                         output_tokens=0, seed=args.seed)
-    preamble = np.random.default_rng(args.seed + 1).integers(0, cfg.vocab_size, 128).tolist()
+    workload = multi_turn_workload(args.tenants, args.clients, args.rounds, system_tokens=256,
+                                   user_tokens=64, output_tokens=1, seed=args.seed,
+                                   preamble_tokens=PREAMBLE_TOKENS)
+    # Answers are left empty: this demonstration names prompts, it runs no model.
+    answers: dict[int, list[int]] = {r.index: [] for r in workload.requests}
     seen: dict[tuple, set[bytes]] = defaultdict(set)
     owner: dict[bytes, tuple] = {}
     rows, start = [], time.perf_counter()
-    for conv in make_conversations(cfg):
-        for r in range(cfg.rounds):
-            rows.append(_name_turn(conv, r, preamble, args.page_size, seen, owner))
+    for req in workload.requests:
+        rows.append(_name_turn(req, req.prompt_ids(answers), args.page_size, seen, owner))
     _print_report(rows, owner, args.page_size, time.perf_counter() - start)
     return 0
 
 
-def _name_turn(conv: Conversation, r: int, preamble: list[int], page_size: int,
+def _name_turn(req: BenchRequest, tokens: list[int], page_size: int,
                seen: dict[tuple, set[bytes]], owner: dict[bytes, tuple]) -> dict:
-    # Answers are left empty here: this demonstration names prompts, it runs no model.
-    tokens = preamble + conv.prompt(r, [[] for _ in range(r)])
-    ns = (conv.extra_key, conv.cache_salt)
+    ns = (req.extra_key, req.cache_salt)
     names = page_hashes(tokens, page_size, extra_key=ns[0], cache_salt=ns[1])
     reused = sum(name in seen[ns] for name in names)
     foreign = sum(owner.get(name, ns) != ns for name in names)
     seen[ns].update(names)
     for name in names:
         owner.setdefault(name, ns)
-    return {"conv": conv.name, "round": r, "ns": ns, "pages": len(names), "reused": reused,
+    return {"conv": req.session, "round": req.turn, "ns": ns, "pages": len(names), "reused": reused,
             "foreign": foreign, "first": to_hex(names[0])[:12]}
 
 
@@ -72,4 +69,4 @@ def _print_report(rows: list[dict], owner: dict[bytes, tuple], page_size: int,
           f"{seconds * 1e3:.1f} ms; {len(owner)} distinct names")
     print(f"reusable within a namespace: {reused} pages ({reused / total:.0%})")
     print(f"cross-namespace shared names: {sum(r['foreign'] for r in rows)} "
-          "(every tenant's prompt starts with the same 128-token preamble)")
+          f"(every tenant's prompt starts with the same {PREAMBLE_TOKENS}-token preamble)")

@@ -1,29 +1,30 @@
-"""``pd-cache run``: a multi-tenant, multi-turn workload through a PD cluster on Ray.
+"""``pd-cache run``: ``pd-cache bench``'s closed loop in lockstep, under the flags it has
+always had, printing what the cache did.
 
 Its cluster flags are ``ClusterConfig``'s fields (``pd_cache.app.flags``). Starts an embedded
-local Ray cluster (or joins ``--address``), creates the prefill, decode
-and storage actors, runs every conversation's turns round by round (all conversations of a
-round in flight at once) and prints what the cache did. Every tenant has its own
-``cache_salt``, odd tenants serve through a LoRA-like ``extra_key``, clients of a tenant
-share its system prompt, and all prompts start with one platform preamble, so identical
-tokens exist in different namespaces: ``cross-namespace hits`` must stay 0.
+local Ray cluster (or joins ``--address``), creates the prefill, decode and storage actors,
+runs every conversation's turns round by round (all conversations of a round in flight at
+once, the next round after the last answer: ``pd-cache bench --workload multi-turn
+--request-rate inf --lockstep``) and prints the bench's table, then the cluster's own counts.
+Every tenant has its own ``cache_salt``, odd tenants serve through a LoRA-like ``extra_key``
+(``bench.workloads.tenant_namespace``), clients of a tenant share its system prompt, and all
+prompts start with one platform preamble, so identical tokens exist in different
+namespaces: ``cross-namespace hits`` must stay 0.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import time
+import dataclasses
 from typing import Any
 
 import numpy as np
 
-from pd_cache.app.flags import add_config_arguments, config_from_args
-from pd_cache.app.session import ray_session
-from pd_cache.app.workload import Conversation, WorkloadConfig, make_conversations
-from pd_cache.cluster.pd_cluster import PDCluster, totals
-from pd_cache.core.cluster_config import ClusterConfig, model_config
-from pd_cache.core.request import Req
+from pd_cache.app.bench import cli as bench_cli
+from pd_cache.app.bench.driver import Server
+from pd_cache.app.flags import add_config_arguments
+from pd_cache.cluster.pd_cluster import totals
+from pd_cache.core.cluster_config import ClusterConfig
 from pd_cache.core.wire import Completion
 
 PREAMBLE_TOKENS = 64
@@ -44,92 +45,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--seed", type=int, default=0)
 
 
-def workload_config(args: argparse.Namespace) -> WorkloadConfig:
-    return WorkloadConfig(tenants=args.tenants, clients_per_tenant=args.clients,
-                          system_tokens=args.system_tokens, rounds=args.rounds,
-                          user_tokens=args.user_tokens, output_tokens=args.output_tokens,
-                          vocab_size=model_config(args.model).vocab_size, seed=args.seed)
+def bench_args(args: argparse.Namespace) -> argparse.Namespace:
+    """The ``pd-cache bench`` flags this run stands for: no warm-up, no files, no progress
+    bar, no wait for the metrics port; the cluster flags as given."""
+    parser = argparse.ArgumentParser()
+    bench_cli.add_arguments(parser)
+    out = parser.parse_args([
+        "--workload", "multi-turn", "--request-rate", "inf", "--lockstep",
+        "--tenants", str(args.tenants), "--users", str(args.clients),
+        "--rounds", str(args.rounds), "--system-len", str(args.system_tokens),
+        "--user-tokens", str(args.user_tokens), "--output-len", str(args.output_tokens),
+        "--preamble-len", str(PREAMBLE_TOKENS), "--seed", str(args.seed),
+        "--warmup-requests", "0", "--no-plots", "--no-progress", "--no-server-metrics"])
+    for f in dataclasses.fields(ClusterConfig):
+        setattr(out, f.name, getattr(args, f.name))
+    out.address, out.dashboard, out.output_dir = args.address, args.dashboard, None
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg, wl = config_from_args(ClusterConfig, args), workload_config(args)
-    with ray_session(args.address, dashboard=args.dashboard):
-        print(f"starting {cfg.num_prefill} prefill + {cfg.num_decode} decode + "
-              f"{cfg.num_storage if cfg.with_storage else 0} storage actors "
-              f"(model {cfg.model})", flush=True)
-        cluster = PDCluster.start(cfg)
-        try:
-            start = time.perf_counter()
-            done = run_workload(cluster, wl, progress=print)
-            seconds = time.perf_counter() - start
-            cluster.flush()
-            writes = cluster.l3_writes()
-        finally:
-            cluster.shutdown()
-    print_table(done, seconds, writes)
-    return 0 if totals(done)["cross_namespace_tokens"] == 0 else 1
+    tables: list[tuple[list[Completion], float, dict[str, int]]] = []
 
+    def after(cluster: Any, server: Server) -> None:
+        seconds = server.summaries[-1]["results"]["duration_s"]
+        tables.append((list(server.target.completions.values()), seconds,
+                       cluster.l3_writes()))
 
-def run_workload(cluster: PDCluster, wl: WorkloadConfig, *, progress: Any = None,
-                 lockstep: bool = True) -> list[Completion]:
-    """Every conversation's turns; returns every completion, round by round.
-
-    ``lockstep``: round by round, all conversations of a round in flight at once, the next
-    round once every answer of this one is in. Otherwise each client sends its next turn as
-    soon as its own answer is in (SGLang's multi-turn benchmark: clients do not wait for
-    one another), all clients at once.
-    """
-    convs, preamble = make_conversations(wl), preamble_tokens(wl)
-    if not lockstep:
-        per_client = asyncio.run(_clients_at_their_own_pace(cluster, wl, convs, preamble))
-        return [outs[r] for r in range(wl.rounds) for outs in per_client]
-    answers: dict[str, list[list[int]]] = {c.name: [] for c in convs}
-    done: list[Completion] = []
-    for r in range(wl.rounds):
-        start = time.perf_counter()
-        reqs = [turn_request(c, r, preamble, answers[c.name], wl.output_tokens) for c in convs]
-        outs = cluster.generate_many(reqs)
-        for c, out in zip(convs, outs):
-            answers[c.name].append(out.output_ids)
-        done += outs
-        if progress is not None:
-            prompt = sum(len(q.input_ids) for q in reqs)
-            cached = sum(sum(o.cached_tokens.values()) for o in outs)
-            progress(f"round {r + 1}/{wl.rounds}: {len(outs)} requests in "
-                     f"{time.perf_counter() - start:.2f} s, {cached}/{prompt} prompt tokens "
-                     f"cached", flush=True)
-    return done
-
-
-async def _clients_at_their_own_pace(cluster: PDCluster, wl: WorkloadConfig,
-                                     convs: list[Conversation], preamble: list[int]
-                                     ) -> list[list[Completion]]:
-    """Every client at once, each sending its next turn when its own answer is in."""
-    async def client(conv: Conversation) -> list[Completion]:
-        answers: list[list[int]] = []
-        outs = []
-        for r in range(wl.rounds):
-            out = await cluster.generate_async(
-                turn_request(conv, r, preamble, answers, wl.output_tokens))
-            answers.append(out.output_ids)
-            outs.append(out)
-        return outs
-
-    return list(await asyncio.gather(*(client(c) for c in convs)))
-
-
-def preamble_tokens(wl: WorkloadConfig) -> list[int]:
-    """The platform preamble every prompt of ``wl`` starts with."""
-    return np.random.default_rng(wl.seed + 1).integers(0, wl.vocab_size,
-                                                       PREAMBLE_TOKENS).tolist()
-
-
-def turn_request(conv: Conversation, r: int, preamble: list[int], answers: list[list[int]],
-                 output_tokens: int) -> Req:
-    """Round ``r`` of ``conv``, after its earlier ``answers``."""
-    return Req(rid=f"{conv.name}/r{r}", input_ids=preamble + conv.prompt(r, answers),
-               extra_key=conv.extra_key, cache_salt=conv.cache_salt,
-               max_new_tokens=output_tokens)
+    code = bench_cli.run(bench_args(args), after=after)
+    for table in tables:
+        print_table(*table)
+    return code
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -8,6 +8,7 @@ overrides are read in one place, :meth:`PDCacheConfig.from_env`, with the prefix
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,7 @@ from pd_cache.core.fields import (
 from pd_cache.core.hashing import DIGEST_SIZES
 from pd_cache.core.model_config import (  # noqa: F401  (re-exported: the config API)
     ATTENTION,
+    KV_DTYPE_BYTES,
     KV_DTYPES,
     KV_NEUTRAL_FIELDS,
     LATE_FIELDS,
@@ -88,6 +90,11 @@ class KVLayout:
     @property
     def page_shape(self) -> tuple[int, int, int, int, int]:
         return (2, self.num_layers, self.page_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def page_nbytes(self) -> int:
+        """Bytes of one KV page (``page_shape`` of ``kv_dtype``), without any state."""
+        return math.prod(self.page_shape) * KV_DTYPE_BYTES[self.kv_dtype]
 
     @property
     def state_shape(self) -> tuple[int, int]:

@@ -13,7 +13,9 @@ import xxhash
 from pd_cache.core.fields import check, check_positive, check_positive_int, one_of
 from pd_cache.core.pretrained import ARCHITECTURES, model_fields
 
-KV_DTYPES = ("float32", "bfloat16", "float16")
+# Bytes per element of each ``kv_dtype``; its keys are the dtypes a page may hold.
+KV_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+KV_DTYPES = tuple(KV_DTYPE_BYTES)
 # ModelConfig fields that change neither the weights nor how K and V are computed, so pages
 # stay shareable across them: the rotary tables span max_context positions, but the angles of
 # position p do not depend on how many positions the table holds. A checkpoint's directory

@@ -13,14 +13,12 @@ to a backend is never mutated.
 from __future__ import annotations
 
 import logging
-import math
 import time
 
 from pd_cache.core.config import KVLayout, StorageConfig
 from pd_cache.core.request import Req
 from pd_cache.core.stats import Stats
 from pd_cache.core.vocab import Event, MissReason, Outcome
-from pd_cache.kv.pages import kv_torch_dtype
 from pd_cache.metrics import PDCacheMetrics
 from pd_cache.storage.base import ExtraInfo, StorageBackend
 from pd_cache.tiering.chain import Chain, batches
@@ -50,8 +48,7 @@ class StorageLink:
         self.stats, self.call_timeout_s = stats, call_timeout_s
         self.metrics = metrics
         self.has_state, self.state_every = layout.has_state, state_every
-        self.page_nbytes = math.prod(layout.page_shape) * \
-            kv_torch_dtype(layout.kv_dtype).itemsize
+        self.page_nbytes = layout.page_nbytes
 
     def info(self, req: Req, chain: Chain, prefix: list[bytes] | None) -> ExtraInfo:
         return ExtraInfo(prefix_keys=prefix, namespace_seed=chain.seed, request_id=req.rid)

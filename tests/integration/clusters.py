@@ -1,5 +1,6 @@
-"""What the cluster test modules share: prompts, requests, the no-cache answer, and the
-check that a cluster is idle between scenarios (no lock held, every slot the cache's)."""
+"""What the cluster test modules share: prompts, requests, the no-cache answer, a chat
+through ``pd-cache bench``'s closed loop, and the check that a cluster is idle between
+scenarios (no lock held, every slot the cache's)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ import time
 from collections.abc import Collection
 from typing import Any
 
+from pd_cache.app.bench.runner import RunOutput, run_open_loop
+from pd_cache.app.bench.targets import LocalTarget
+from pd_cache.app.bench.workloads import Workload
 from pd_cache.core.request import Req
 from pd_cache.core.wire import Completion
 from pd_cache.model.model import Model, reference_generate
@@ -36,6 +40,26 @@ def expected(model: Model, r: Req) -> list[int]:
     return reference_generate(model, Req(rid="ref", input_ids=r.input_ids,
                                          max_new_tokens=r.max_new_tokens,
                                          sampling=r.sampling)).output_ids
+
+
+def closed_loop(cluster: Any, workload: Workload, *, lockstep: bool) -> RunOutput:
+    """``workload`` through ``pd-cache bench``'s closed loop on ``cluster`` (every request due
+    at once: a turn goes when its user's answer is in; ``lockstep``: once its round's is)."""
+    arrivals = [0.0] * len(workload.requests)
+    return asyncio.run(asyncio.wait_for(run_open_loop(LocalTarget(cluster), workload.requests,
+                                                      arrivals, lockstep=lockstep), 300))
+
+
+def check_answers(model: Model, workload: Workload, run: RunOutput) -> None:
+    """Every request answered, the prompt the bench sent built from the answers before it,
+    and each answer the no-cache model's own; no cross-namespace hit."""
+    assert [r.error for r in run.records if not r.ok] == []
+    for spec in workload.requests:
+        prompt = run.prompts[spec.index]
+        assert prompt == spec.prompt_ids(run.answers)
+        ref = Req(rid="ref", input_ids=prompt, max_new_tokens=spec.max_tokens)
+        assert run.answers[spec.index] == expected(model, ref), spec.index
+    assert all(r.cross_namespace_tokens == 0 for r in run.records)
 
 
 def assert_idle(cluster: Any, pools: Collection[str] = ()) -> None:

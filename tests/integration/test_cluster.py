@@ -8,15 +8,20 @@ from typing import Any
 
 import pytest
 
-from pd_cache.app.run import preamble_tokens, run_workload, turn_request
-from pd_cache.app.workload import WorkloadConfig, make_conversations
+from pd_cache.app.bench.workloads import Workload, multi_turn_workload
 from pd_cache.cluster.pd_cluster import PDCluster
 from pd_cache.core.cluster_config import ClusterConfig
 from pd_cache.core.request import Req
 from pd_cache.core.wire import Completion
 from pd_cache.model.model import Model
 from tests.integration import clusters
-from tests.integration.clusters import assert_idle, expected, request
+from tests.integration.clusters import (
+    assert_idle,
+    check_answers,
+    closed_loop,
+    expected,
+    request,
+)
 
 ray = pytest.importorskip("ray")
 
@@ -48,23 +53,27 @@ def tokens(seed: int, n: int) -> list[int]:
     return clusters.tokens(seed, n, VOCAB)
 
 
-def test_multi_turn_multi_tenant_output_equals_reference(cluster: PDCluster,
-                                                          model: Model) -> None:
-    wl = WorkloadConfig(tenants=3, clients_per_tenant=2, system_tokens=22, rounds=3,
-                        user_tokens=7, output_tokens=6, vocab_size=VOCAB, seed=11)
-    convs = make_conversations(wl)
-    answers: dict[str, list[list[int]]] = {c.name: [] for c in convs}
-    done: list[Completion] = []
-    for r in range(wl.rounds):
-        reqs = [req(c.prompt(r, answers[c.name]), (c.extra_key, c.cache_salt), wl.output_tokens)
-                for c in convs]
-        for c, rq, out in zip(convs, reqs, cluster.generate_many(reqs)):
-            assert out.output_ids == expected(model, rq), (c.name, r)
-            answers[c.name].append(out.output_ids)
-            done.append(out)
-    assert sum(sum(c.cached_tokens.values()) for c in done) > 0  # the cache was used
-    assert all(c.cross_namespace_tokens == 0 for c in done)
-    assert {c.prefill_worker for c in done} == {0, 1} and {c.decode_worker for c in done} == {0, 1}
+def chat(tenants: int, users: int, system: int, user: int, output: int, seed: int,
+         preamble: int = 0) -> Workload:
+    return multi_turn_workload(tenants, users, 3, system_tokens=system, user_tokens=user,
+                               output_tokens=output, vocab_size=VOCAB, seed=seed,
+                               preamble_tokens=preamble)
+
+
+def test_multi_turn_multi_tenant_in_lockstep_equals_reference(cluster: PDCluster,
+                                                              model: Model) -> None:
+    """``pd-cache run``'s shape (the bench's closed loop with ``lockstep``, a preamble every
+    tenant shares): every answer is the model's own, and no request of round r + 1 leaves
+    before the last answer of round r is in."""
+    wl = chat(3, 2, system=22, user=7, output=6, seed=11, preamble=8)
+    run = closed_loop(cluster, wl, lockstep=True)
+    check_answers(model, wl, run)
+    recs = run.records
+    for turn in (1, 2):
+        last_answer = max(r.end_s for r in recs if r.turn == turn - 1)
+        assert min(r.sent_s for r in recs if r.turn == turn) >= last_answer, turn
+    assert sum(r.cached_tokens for r in recs) > 0  # the cache was used
+    assert {r.prefill_worker for r in recs} == {0, 1} and {r.decode_worker for r in recs} == {0, 1}
     assert_idle(cluster)
 
 
@@ -215,21 +224,15 @@ def test_drop_caches_empties_every_tier_and_the_next_request_computes_all(
 
 def test_clients_at_their_own_pace_send_each_turn_after_their_own_answer(
         cluster: PDCluster, model: Model) -> None:
-    """``run_workload(lockstep=False)`` (bench_pd's shape): every turn's prompt holds the
-    client's earlier answers, every answer is the model's own, and the completions come
-    back round by round as in lockstep."""
-    wl = WorkloadConfig(tenants=2, clients_per_tenant=2, system_tokens=13, rounds=3,
-                        user_tokens=5, output_tokens=4, vocab_size=VOCAB, seed=23)
-    done = run_workload(cluster, wl, lockstep=False)
-    convs, preamble = make_conversations(wl), preamble_tokens(wl)
-    assert [c.rid for c in done] == [f"{c.name}/r{r}" for r in range(wl.rounds) for c in convs]
-    outputs = {c.rid: c.output_ids for c in done}
-    for conv in convs:
-        answers: list[list[int]] = []
-        for r in range(wl.rounds):
-            turn = turn_request(conv, r, preamble, answers, wl.output_tokens)
-            assert outputs[turn.rid] == expected(model, turn), turn.rid
-            answers.append(outputs[turn.rid])
-    assert all(c.cross_namespace_tokens == 0 for c in done)
-    assert sum(sum(c.cached_tokens.values()) for c in done[len(convs):]) > 0
+    """The bench's closed loop without ``lockstep`` (bench_pd's shape): every turn's prompt
+    holds the client's earlier answers, every answer is the model's own, and a turn leaves
+    once its client's previous answer is in."""
+    wl = chat(2, 2, system=13, user=5, output=4, seed=23)
+    run = closed_loop(cluster, wl, lockstep=False)
+    check_answers(model, wl, run)
+    recs = {r.index: r for r in run.records}
+    for spec in wl.requests:
+        if spec.depends_on is not None:
+            assert recs[spec.index].sent_s >= recs[spec.depends_on].end_s, spec.index
+    assert sum(r.cached_tokens for r in run.records if r.turn > 0) > 0
     assert_idle(cluster)

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from pd_cache.app.workload import WorkloadConfig, make_conversations
+from pd_cache.app.bench.workloads import multi_turn_workload
 from pd_cache.cluster.pd_cluster import PDCluster
 from pd_cache.core.cluster_config import ClusterConfig
 from pd_cache.core.request import Req
@@ -19,7 +19,14 @@ from pd_cache.storage.client import StorageClient
 from pd_cache.storage.tier import storage_actors
 from pd_cache.worker.engine import LocalEngine
 from tests.integration import clusters
-from tests.integration.clusters import expected, request, stream_killing_decode, wait_healthy
+from tests.integration.clusters import (
+    check_answers,
+    closed_loop,
+    expected,
+    request,
+    stream_killing_decode,
+    wait_healthy,
+)
 from tests.unit.tiering.fakes import Recorder
 from tests.unit.tiering.hybrid_calls import NAMES, WRITE_RUNS, P, check_calls
 from tests.unit.tiering.hybrid_calls import config as calls_config
@@ -59,20 +66,11 @@ def assert_idle(cluster: PDCluster) -> None:
 
 def test_multi_turn_multi_tenant_output_equals_reference(cluster: PDCluster,
                                                           model: Model) -> None:
-    wl = WorkloadConfig(tenants=2, clients_per_tenant=2, system_tokens=22, rounds=3,
-                        user_tokens=7, output_tokens=6, vocab_size=VOCAB, seed=5)
-    convs = make_conversations(wl)
-    answers: dict[str, list[list[int]]] = {c.name: [] for c in convs}
-    done = []
-    for r in range(wl.rounds):
-        reqs = [req(c.prompt(r, answers[c.name]), (c.extra_key, c.cache_salt),
-                    wl.output_tokens) for c in convs]
-        for c, rq, out in zip(convs, reqs, cluster.generate_many(reqs)):
-            assert out.output_ids == expected(model, rq), (c.name, r)
-            answers[c.name].append(out.output_ids)
-            done.append(out)
-    assert sum(sum(c.cached_tokens.values()) for c in done) > 0
-    assert all(c.cross_namespace_tokens == 0 for c in done)
+    wl = multi_turn_workload(2, 2, 3, system_tokens=22, user_tokens=7, output_tokens=6,
+                             vocab_size=VOCAB, seed=5)
+    run = closed_loop(cluster, wl, lockstep=True)
+    check_answers(model, wl, run)
+    assert sum(r.cached_tokens for r in run.records) > 0
     assert_idle(cluster)
 
 

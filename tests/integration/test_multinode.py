@@ -17,8 +17,8 @@ from typing import Any, NamedTuple
 
 import pytest
 
+from pd_cache.app.bench.workloads import multi_turn_workload
 from pd_cache.app.session import ClusterToken
-from pd_cache.app.workload import WorkloadConfig, make_conversations
 from pd_cache.cluster.pd_cluster import PDCluster
 from pd_cache.core.cluster_config import ClusterConfig
 from pd_cache.core.request import Req
@@ -132,25 +132,26 @@ def test_handed_off_pages_are_copied_to_the_decode_node(cluster: PDCluster,
 
 def test_two_tenants_over_turns_equal_the_reference(cluster: PDCluster) -> None:
     model = Model(CONFIG.pd_config.model)
-    wl = WorkloadConfig(tenants=2, clients_per_tenant=1, system_tokens=10, rounds=3,
-                        user_tokens=7, output_tokens=6, vocab_size=VOCAB, seed=23)
-    convs = make_conversations(wl)
-    assert {c.extra_key for c in convs} == {None, "adapter-1"}   # two tenants, one on a LoRA
-    answers: dict[str, list[list[int]]] = {c.name: [] for c in convs}
+    user_tokens = 7
+    wl = multi_turn_workload(2, 1, 3, system_tokens=10, user_tokens=user_tokens,
+                             output_tokens=6, vocab_size=VOCAB, seed=23)
+    assert {r.extra_key for r in wl.requests} == {None, "adapter-1"}   # one on a LoRA
+    answers: dict[int, list[int]] = {}
     done = []
-    for turn in range(wl.rounds):
-        reqs = [Req(rid=f"{c.name}/{turn}", input_ids=c.prompt(turn, answers[c.name]),
-                    extra_key=c.extra_key, cache_salt=c.cache_salt,
-                    max_new_tokens=wl.output_tokens) for c in convs]
+    for turn in range(3):
+        specs = [spec for spec in wl.requests if spec.turn == turn]
+        reqs = [Req(rid=f"{spec.session}/{turn}", input_ids=spec.prompt_ids(answers),
+                    extra_key=spec.extra_key, cache_salt=spec.cache_salt,
+                    max_new_tokens=spec.max_tokens) for spec in specs]
         # turn 0 on prefill 0, turn 1 on prefill 1 (which has not seen turn 0: L3 serves
         # it), turn 2 wherever the router sends it
         worker = {0: 0, 1: 1}.get(turn)
         outs = cluster.generate_many(reqs) if worker is None else \
             [cluster.generate(r, prefill_worker=worker) for r in reqs]
         cluster.flush()   # write-through and offload landed before the next turn looks
-        for c, r, out in zip(convs, reqs, outs):
-            assert out.output_ids == expected(model, r), (c.name, turn)
-            answers[c.name].append(out.output_ids)
+        for spec, r, out in zip(specs, reqs, outs):
+            assert out.output_ids == expected(model, r), r.rid
+            answers[spec.index] = out.output_ids
             done.append((turn, len(r.input_ids), out))
     for turn, n, out in done:
         assert out.cross_namespace_tokens == 0
@@ -159,7 +160,7 @@ def test_two_tenants_over_turns_equal_the_reference(cluster: PDCluster) -> None:
         if turn == 1:
             # the pages with KV after turn 0: its prompt (prefill's write-through) and its
             # answer (decode's offload on node B), fetched by node A's other worker
-            before = n - wl.user_tokens
+            before = n - user_tokens
             assert out.cached_tokens == {"device": 0, "host": 0,
                                          "storage": PS * ((before - 1) // PS)}, out
     assert {out.decode_worker for *_, out in done} == {0}

@@ -414,7 +414,7 @@ def alive(handle: Any) -> bool:
 def test_lent_objects_are_freed_on_eviction_discard_and_death(ray_cluster: Any) -> None:
     base = PDCacheConfig(model=ModelConfig.preset("small"), cache=CacheConfig(page_size=16))
     page = base.layout
-    page_bytes = torch.Size(page.page_shape).numel() * 4
+    page_bytes = page.page_nbytes
     capacity = 8 * page_bytes
     config = PDCacheConfig(model=base.model, cache=base.cache,
                            storage=StorageConfig(capacity_bytes=capacity, num_shards=1))

@@ -2,6 +2,10 @@
 multi-turn traffic, against an in-process cluster (``--target local``) or any
 OpenAI-compatible server (``--target URL``). ``pd-cache bench make-trace`` writes a
 synthetic Mooncake-format trace. ``python -m pd_cache.app.bench`` is the same command.
+
+At ``--request-rate inf`` (the default) a multi-turn workload is a closed loop: every user at
+once, each sending its next turn when its own answer is in; ``--lockstep`` puts a barrier
+between rounds (``pd-cache run`` is that mode under its own flags).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import asyncio
 import dataclasses
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="start the Ray dashboard with the local cluster (on 127.0.0.1)")
     local.add_argument("--compare-no-cache", action="store_true",
                        help="run the same arrivals again on a cluster with the cache off")
+    local.add_argument("--no-server-metrics", dest="server_metrics", action="store_false",
+                       help="do not read the cluster's counters from the Ray metrics port "
+                            "around each run (that waits for them to settle: seconds a run)")
     add_config_arguments(local, ClusterConfig)
     # NOTE: the shards export their counts every second, so a run's server delta is read
     # back soon after it ends (ClusterConfig's default of 5 s suits a long-lived server).
@@ -79,6 +87,9 @@ def _workload_arguments(g: Any) -> None:
     g.add_argument("--users", type=int, default=4, help="multi-turn: users per tenant")
     g.add_argument("--rounds", type=int, default=3, help="multi-turn: turns per user")
     g.add_argument("--user-tokens", type=int, default=64, help="multi-turn: new tokens a turn")
+    g.add_argument("--preamble-len", type=int, default=0,
+                   help="multi-turn: a platform preamble every prompt of every tenant starts "
+                        "with (identical tokens in every namespace)")
     g.add_argument("--turn-order", default="round-robin", choices=TURN_ORDERS)
     g.add_argument("--trace", default=None, help="trace: a Mooncake-format JSONL file")
     g.add_argument("--trace-block-tokens", type=int, default=16)
@@ -94,6 +105,9 @@ def _load_arguments(g: Any) -> None:
     g.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape: < 1 burstier than Poisson")
     g.add_argument("--max-concurrency", type=int, default=None)
+    g.add_argument("--lockstep", action="store_true",
+                   help="multi-turn: round by round, the next round once every answer of this "
+                        "one is in (at rate inf: a closed loop's rounds)")
     g.add_argument("--duration", type=float, default=None,
                    help="keep only requests arriving in the first N seconds")
     g.add_argument("--warmup-requests", type=int, default=4)
@@ -130,7 +144,8 @@ def build_workload(args: argparse.Namespace, vocab: int, seed: int) -> Workload:
         wl = multi_turn_workload(args.tenants, args.users, args.rounds,
                                  system_tokens=args.system_len, user_tokens=args.user_tokens,
                                  output_tokens=_fixed(args.output_len, "output-len"),
-                                 turn_order=args.turn_order, **common)
+                                 turn_order=args.turn_order,
+                                 preamble_tokens=args.preamble_len, **common)
     elif args.workload == "shared-prefix":
         wl = shared_prefix_workload(args.groups, args.prompts_per_group,
                                     system_len=args.system_len,
@@ -161,7 +176,9 @@ def _fixed(text: str, flag: str) -> int:
         raise ValueError(f"--{flag}: multi-turn takes a fixed count, got {text!r}") from None
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, after: Callable[[Any, Server], None] | None = None) -> int:
+    """The command; ``after(cluster, server)`` (local target) runs once a cluster's runs are
+    done, before it shuts down."""
     if args.action == "make-trace":
         out = args.trace or "trace.jsonl"
         lines = make_trace(out, num_requests=args.num_requests or 200, seed=args.seed)
@@ -175,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
     warmup = dataclasses.replace(warm, requests=warm.requests[:args.warmup_requests])
     load = Load(rates=tuple(parse_rates(args.request_rate)), arrival=args.arrival,
                 burstiness=args.burstiness, max_concurrency=args.max_concurrency,
-                duration_s=args.duration, seed=args.seed)
+                duration_s=args.duration, seed=args.seed, lockstep=args.lockstep)
     report = Report(output_dir=args.output_dir, per_run_dirs=args.compare_no_cache,
                     slo=SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2el_ms),
                     page_size=args.page_size_hint or args.page_size,
@@ -184,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
                     plots=args.plots, progress=args.progress,
                     config=_describe(args, workload, cfg))
     print(workload.describe(), flush=True)
-    servers = run_local(cfg, args, workload, warmup, load, report) if local \
+    servers = run_local(cfg, args, workload, warmup, load, report, after) if local \
         else run_http(args, workload, warmup, load, report)
     summaries = [s for server in servers for s in server.summaries]
     comparison = compare_outputs(*servers) if len(servers) == 2 else None
@@ -197,7 +214,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_local(cfg: ClusterConfig, args: argparse.Namespace, workload: Workload,
-              warmup: Workload, load: Load, report: Report) -> list[Server]:
+              warmup: Workload, load: Load, report: Report,
+              after: Callable[[Any, Server], None] | None = None) -> list[Server]:
     from pd_cache.app.session import ray_session
     from pd_cache.cluster.pd_cluster import PDCluster
 
@@ -211,11 +229,14 @@ def run_local(cfg: ClusterConfig, args: argparse.Namespace, workload: Workload,
                   f"(model {config.model}, cache {'on' if cache else 'off'})", flush=True)
             cluster = PDCluster.start(config)
             try:
-                server = Server(LocalTarget(cluster), metrics_url=session.metrics_url,
+                metrics = session.metrics_url if args.server_metrics else None
+                server = Server(LocalTarget(cluster), metrics_url=metrics,
                                 flush=cluster.flush, label=cache,
                                 export_interval_s=config.metrics_interval_s + 1.5)
                 server.summaries = asyncio.run(bench(server, workload, warmup, load, report))
                 servers.append(server)
+                if after is not None:
+                    after(cluster, server)
             finally:
                 cluster.shutdown()
     return servers
@@ -239,20 +260,17 @@ def run_http(args: argparse.Namespace, workload: Workload, warmup: Workload, loa
 
 def _l3_tokens(cfg: ClusterConfig) -> int | None:
     """The cluster's L3 capacity in tokens (what the LRU oracle holds)."""
-    from pd_cache.kv.pages import kv_torch_dtype
-
     if not cfg.with_storage:
         return None
-    layout = cfg.pd_config.layout
-    page_bytes = math.prod(layout.page_shape) * kv_torch_dtype(layout.kv_dtype).itemsize
-    return cfg.storage_capacity_bytes // page_bytes * cfg.page_size
+    return cfg.storage_capacity_bytes // cfg.pd_config.layout.page_nbytes * cfg.page_size
 
 
 def _describe(args: argparse.Namespace, workload: Workload,
               cfg: ClusterConfig | None) -> dict[str, Any]:
     out = {"target": args.target, "workload": workload.describe(), "seed": args.seed,
            "arrival": args.arrival, "burstiness": args.burstiness,
-           "max_concurrency": args.max_concurrency, "compare_no_cache": args.compare_no_cache,
+           "max_concurrency": args.max_concurrency, "lockstep": args.lockstep,
+           "compare_no_cache": args.compare_no_cache,
            "request_rates": [r if math.isfinite(r) else "inf"
                              for r in parse_rates(args.request_rate)]}
     if cfg is not None:

@@ -22,12 +22,14 @@ import dataclasses
 import json
 import math
 import sys
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from pd_cache.app.bench.arrivals import arrival_times
 from pd_cache.app.bench.oracle import OracleRequest, simulate
+from pd_cache.app.bench.records import RequestRecord
 from pd_cache.app.bench.runner import RunOutput, run_open_loop
 from pd_cache.app.bench.server_metrics import delta, wait_for_export
 from pd_cache.app.bench.summary import (
@@ -45,7 +47,12 @@ from pd_cache.app.bench.workloads import Workload
 class Load:
     """How requests arrive: ``rates`` (req/s; ``inf``: all at once) by ``arrival`` with
     ``burstiness``; at most ``max_concurrency`` in flight; ``duration_s`` cuts the stream
-    at that arrival time; a trace workload keeps its own times (``rates`` unused)."""
+    at that arrival time; a trace workload keeps its own times (``rates`` unused).
+    ``lockstep``: rounds (a multi-turn workload's turns) one after the other, the next once
+    the last answer of this one is in; a line is printed per round.
+
+    A multi-turn workload at rate ``inf`` is a closed loop: every user at once, each sending
+    its next turn when its own answer is in; with ``lockstep``, round by round."""
 
     rates: tuple[float, ...] = (math.inf,)
     arrival: str = "poisson"
@@ -53,15 +60,17 @@ class Load:
     max_concurrency: int | None = None
     duration_s: float | None = None
     seed: int = 0
+    lockstep: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class Report:
-    """Where and what to write: ``output_dir`` (``per_run_dirs``: each run in a folder of
-    its own there, for a sweep or a comparison), plots, the SLO of goodput, the page rule
-    and LRU capacity of the oracle, the progress bar, and the run's own description."""
+    """Where and what to write: ``output_dir`` (``None``: no files; ``per_run_dirs``: each
+    run in a folder of its own there, for a sweep or a comparison), plots, the SLO of
+    goodput, the page rule and LRU capacity of the oracle, the progress bar, and the run's
+    own description."""
 
-    output_dir: Path
+    output_dir: Path | None
     per_run_dirs: bool = False
     slo: SLO = SLO()
     page_size: int = 16
@@ -121,16 +130,23 @@ async def _measure(server: Server, requests: list[Any], arrivals: list[float], r
                    load: Load, report: Report) -> dict[str, Any]:
     label = "on" if server.label is True else "off" if server.label is False else server.label
     many = len(load.rates) > 1 or report.per_run_dirs
-    out_dir = report.output_dir / f"cache-{label}-rate{_rate_text(rate)}" if many \
-        else report.output_dir
+    out_dir = report.output_dir
+    if out_dir is not None and many:
+        out_dir = out_dir / f"cache-{label}-rate{_rate_text(rate)}"
     # NOTE: settled first, so the warm-up's and the previous run's last counts are not
     # exported into this run's delta.
     before = await _settled(server)
     bar = _progress(len(requests), f"cache {label}, rate {_rate_text(rate)}", report.progress)
+    rounds = RoundLines(requests) if load.lockstep else None
+
+    def done(record: RequestRecord) -> None:
+        bar.update(1)
+        if rounds is not None:
+            rounds.finished(record)
     try:
         run = await run_open_loop(target=server.target, requests=requests, arrivals=arrivals,
                                   max_concurrency=load.max_concurrency,
-                                  on_done=lambda _: bar.update(1))
+                                  lockstep=load.lockstep, on_done=done)
     finally:
         bar.close()
     server.answers[rate] = run.answers
@@ -144,11 +160,37 @@ async def _measure(server: Server, requests: list[Any], arrivals: list[float], r
               "requests": len(requests)}
     summary = summarize(run.records, duration_s=max(run.duration_s, 1e-9), slo=report.slo,
                         server_delta=server_delta, oracle=oracle, config=config)
+    if out_dir is None:
+        print(f"\n{format_table(summary)}", flush=True)
+        return summary
     write_run(out_dir, run.records, summary)
     if report.plots:
         _plot(run, summary, out_dir)
     print(f"\n{out_dir}:\n{format_table(summary)}", flush=True)
     return summary
+
+
+class RoundLines:
+    """Prints a line as each round (turn) of a lockstep run finishes: its requests, from
+    the first sent to the last answer, and how many of their prompt tokens were cached."""
+
+    def __init__(self, requests: list[Any]) -> None:
+        self.left = Counter(r.turn for r in requests)
+        self.rounds = len(self.left)
+        self.records: dict[int, list[RequestRecord]] = defaultdict(list)
+
+    def finished(self, record: RequestRecord) -> None:
+        turn = record.turn
+        self.records[turn].append(record)
+        self.left[turn] -= 1
+        if self.left[turn]:
+            return
+        recs = self.records.pop(turn)
+        seconds = max(r.end_s or r.sent_s for r in recs) - min(r.sent_s for r in recs)
+        cached = sum(r.cached_tokens or 0 for r in recs)
+        prompt = sum(r.prompt_tokens for r in recs)
+        print(f"round {turn + 1}/{self.rounds}: {len(recs)} requests in {seconds:.2f} s, "
+              f"{cached}/{prompt} prompt tokens cached", flush=True)
 
 
 def _oracle(requests: list[Any], run: RunOutput, report: Report) -> dict[str, Any]:

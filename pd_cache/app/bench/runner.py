@@ -6,12 +6,17 @@ goes out as soon as that answer is in (``sent_s`` > ``scheduled_s`` shows the wa
 if that request failed, it fails too (``DependencyFailed``) without being sent. With
 ``max_concurrency`` at most that many are in flight; the rest wait their turn, and that wait
 counts in their latency, as a client's would.
+
+``lockstep`` adds a round barrier (a closed loop's rounds): a request of turn ``t > 0`` goes
+out only once every request of turn ``t - 1`` in the stream has finished, so a round's
+requests are in flight together and the next round starts after its last answer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,14 +34,18 @@ class RunOutput:
 
 
 async def run_open_loop(target: Any, requests: Sequence[Any], arrivals: Sequence[float], *,
-                        max_concurrency: int | None = None,
+                        max_concurrency: int | None = None, lockstep: bool = False,
                         on_done: Callable[[RequestRecord], None] | None = None) -> RunOutput:
-    """Send ``requests[i]`` at ``arrivals[i]`` seconds from now; every request's record."""
+    """Send ``requests[i]`` at ``arrivals[i]`` seconds from now; every request's record.
+    ``lockstep``: a turn's requests wait for every request of the turn before."""
     if len(arrivals) != len(requests):
         raise ValueError(f"arrivals: need one per request ({len(requests)}), "
                          f"got {len(arrivals)}")
     slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     finished = {r.index: asyncio.Event() for r in requests}
+    rounds: dict[int, list[asyncio.Event]] = defaultdict(list)
+    for r in requests:
+        rounds[r.turn].append(finished[r.index])
     answers: dict[int, list[int]] = {}
     prompts: dict[int, list[int]] = {}
     start = time.perf_counter()
@@ -44,6 +53,9 @@ async def run_open_loop(target: Any, requests: Sequence[Any], arrivals: Sequence
     async def one(spec: Any, due: float) -> RequestRecord:
         try:
             await asyncio.sleep(max(0.0, start + due - time.perf_counter()))
+            if lockstep:
+                for event in rounds.get(spec.turn - 1, ()):
+                    await event.wait()
             if spec.depends_on is not None:
                 await finished[spec.depends_on].wait()
                 if spec.depends_on not in answers:

@@ -51,12 +51,20 @@ class TargetError(RuntimeError):
 
 
 class LocalTarget:
-    """An in-process ``PDCluster``; ``name`` labels it in results."""
+    """An in-process ``PDCluster``; ``name`` labels it in results.
+
+    ``completions``: the cluster's own ``Completion`` of each request, by request index
+    (the latest run's; phase timings and handoffs a ``Reply`` does not carry).
+    ``stream=False`` asks for whole answers (``PDCluster.generate_async``, no per-token
+    calls): every token then arrives with the last, so a record's TTFT is its E2EL and the
+    cluster's own TTFT is in ``completions``.
+    """
 
     name = "local"
 
-    def __init__(self, cluster: Any) -> None:
-        self.cluster = cluster
+    def __init__(self, cluster: Any, *, stream: bool = True) -> None:
+        self.cluster, self.streaming = cluster, stream
+        self.completions: dict[int, Any] = {}
 
     async def stream(self, spec: Any, prompt_ids: list[int]) -> AsyncIterator[Tokens | Reply]:
         from pd_cache.core.request import Req
@@ -65,8 +73,18 @@ class LocalTarget:
         req = Req(rid=f"bench-{spec.index}", input_ids=prompt_ids,
                   max_new_tokens=spec.max_tokens, cache_salt=spec.cache_salt,
                   extra_key=spec.extra_key)
+        if not self.streaming:
+            out = await self.cluster.generate_async(req)
+            self.completions[spec.index] = out
+            yield Tokens(len(out.output_ids))
+            yield _reply(out)
+            return
         async for item in self.cluster.stream(req):
-            yield _reply(item) if isinstance(item, Completion) else Tokens(1)
+            if isinstance(item, Completion):
+                self.completions[spec.index] = item
+                yield _reply(item)
+            else:
+                yield Tokens(1)
 
     async def drop_caches(self) -> dict[str, int]:
         return await asyncio.to_thread(self.cluster.drop_caches)

@@ -186,13 +186,17 @@ def shared_prefix_workload(groups: int, prompts_per_group: int, *, system_len: i
 def multi_turn_workload(tenants: int, users_per_tenant: int, rounds: int, *,
                         system_tokens: int, user_tokens: int, output_tokens: int,
                         vocab_size: int = 4096, seed: int = 0,
-                        turn_order: str = "round-robin") -> Workload:
+                        turn_order: str = "round-robin", preamble_tokens: int = 0) -> Workload:
     """Chats: each tenant has one system prompt shared by its users; turn ``r`` of a user is
 
-        [system] [user 0] [answer of turn 0] ... [user r-1] [answer of turn r-1] [user r]
+        [preamble] [system] [user 0] [answer of turn 0] ... [user r-1] [answer of turn r-1]
+        [user r]
 
-    with ``depends_on`` = the user's turn ``r-1``. Users (sessions ``t{t}u{u}``) are ordered
-    tenant-interleaved: t0u0, t1u0, ..., t0u1, t1u1, ...
+    with ``depends_on`` = the user's turn ``r-1``. ``preamble_tokens``: a platform preamble
+    every prompt of every tenant starts with (none by default), drawn from a generator of
+    its own so the rest of the stream is the same with or without it: identical tokens in
+    every namespace, whose pages must never be shared across them. Users (sessions
+    ``t{t}u{u}``) are ordered tenant-interleaved: t0u0, t1u0, ..., t0u1, t1u1, ...
 
     ``turn_order``: ``"round-robin"`` sends every user's turn 0, then every turn 1, ...: a
     user's next turn comes exactly ``N - 1`` requests after its previous one (``N`` =
@@ -204,6 +208,7 @@ def multi_turn_workload(tenants: int, users_per_tenant: int, rounds: int, *,
     check_positive_int("users_per_tenant", users_per_tenant)
     check_positive_int("rounds", rounds)
     check_int_at_least("system_tokens", system_tokens, 0)
+    check_int_at_least("preamble_tokens", preamble_tokens, 0)
     check_positive_int("user_tokens", user_tokens)
     check_positive_int("output_tokens", output_tokens)
     _check_common(tenants, vocab_size)
@@ -211,6 +216,8 @@ def multi_turn_workload(tenants: int, users_per_tenant: int, rounds: int, *,
     rng = np.random.default_rng(seed)
     users = [(t, u) for u in range(users_per_tenant) for t in range(tenants)]
     systems = [Segment(_tokens(rng, system_tokens, vocab_size)) for _ in range(tenants)]
+    head = [Segment(_tokens(np.random.default_rng([seed, 1]), preamble_tokens, vocab_size))] \
+        if preamble_tokens else []
     texts = [[Segment(_tokens(rng, user_tokens, vocab_size)) for _ in range(rounds)]
              for _ in users]
     if turn_order == "round-robin":
@@ -222,11 +229,13 @@ def multi_turn_workload(tenants: int, users_per_tenant: int, rounds: int, *,
     for i, c in enumerate(order):
         (t, u), turn = users[c], len(sent[c])
         history = [seg for r in range(turn) for seg in (texts[c][r], answer(sent[c][r]))]
-        segments = ([systems[t]] if system_tokens else []) + history + [texts[c][turn]]
+        segments = head + ([systems[t]] if system_tokens else []) + history + [texts[c][turn]]
         depends_on = sent[c][-1] if sent[c] else None
         requests.append(_request(i, t, f"t{t}u{u}", segments, output_tokens, turn=turn,
                                  depends_on=depends_on))
         sent[c].append(i)
+    preamble = f"preamble {preamble_tokens}, " if preamble_tokens else ""
     return Workload("multi-turn", requests, tenants,
                     f"{users_per_tenant} users/tenant x {rounds} rounds ({turn_order}), "
-                    f"system {system_tokens}, user {user_tokens}, output {output_tokens}")
+                    f"{preamble}system {system_tokens}, user {user_tokens}, "
+                    f"output {output_tokens}")

@@ -8,8 +8,16 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-from pd_cache.core.config import CacheConfig, ModelConfig, PDCacheConfig, StorageConfig
+from pd_cache.core.config import (
+    KV_DTYPES,
+    CacheConfig,
+    ModelConfig,
+    PDCacheConfig,
+    StorageConfig,
+)
+from pd_cache.kv.pages import kv_torch_dtype
 
 
 @pytest.mark.parametrize("build, field", [
@@ -52,6 +60,13 @@ def test_layout_fingerprint_separates_layouts() -> None:
     assert len(prints) == 5
     assert PDCacheConfig().layout.fingerprint == base.layout.fingerprint
     assert base.layout.page_shape == (2, 2, 16, 2, 16)
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_page_nbytes_is_what_a_page_tensor_of_the_layout_holds(kv_dtype: str) -> None:
+    layout = PDCacheConfig(model=ModelConfig(kv_dtype=kv_dtype)).layout
+    page = torch.zeros(layout.page_shape, dtype=kv_torch_dtype(kv_dtype))
+    assert layout.page_nbytes == page.numel() * page.element_size()
 
 
 def test_check_compatible() -> None:

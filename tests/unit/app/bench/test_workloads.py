@@ -80,6 +80,21 @@ def test_round_robin_reuse_distance_is_one_round() -> None:
     assert len(distances) > 1
 
 
+def test_a_preamble_starts_every_prompt_and_leaves_the_rest_of_the_stream_alone() -> None:
+    plain = chat()
+    w = multi_turn_workload(2, 3, 3, system_tokens=SYSTEM, user_tokens=USER,
+                            output_tokens=OUTPUT, vocab_size=50, seed=5, preamble_tokens=9)
+    answers = fake_answers(w)
+    preamble = w.requests[0].prompt_ids(answers)[:9]
+    assert len(set(preamble)) > 1
+    for r, p in zip(w.requests, plain.requests):
+        # the same tokens in every namespace, then exactly the stream without a preamble
+        assert r.prompt_ids(answers) == preamble + p.prompt_ids(answers)
+        assert (r.session, r.turn, r.depends_on) == (p.session, p.turn, p.depends_on)
+    assert {r.cache_salt for r in w.requests} == {"tenant-0", "tenant-1"}
+    assert "preamble 9" in w.describe() and "preamble" not in plain.describe()
+
+
 def test_tenant_namespaces() -> None:
     assert tenant_namespace(0) == ("tenant-0", None)
     assert tenant_namespace(3) == ("tenant-3", "adapter-3")
