@@ -3,8 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
+from typing import Any
 
-from pd_cache.front.memory import IdleTrim, malloc_trim
+import yaml
+
+from pd_cache.front.memory import (
+    PROXY_CALLBACK,
+    PROXY_CALLBACK_ENV,
+    IdleTrim,
+    TrimWhenIdle,
+    malloc_trim,
+)
+
+ROOT = Path(__file__).resolve().parents[3]
 
 DELAY_S = 0.02
 
@@ -67,3 +79,41 @@ def test_glibc_trim_is_found_and_runs() -> None:
     trim = malloc_trim()
     assert trim is not None   # the images and CI are glibc
     assert trim() in (0, 1)
+
+
+# -- Serve's proxy ---------------------------------------------------------------------------
+def test_the_proxy_middleware_trims_after_a_burst_of_http_requests_only() -> None:
+    seen: list[str] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await asyncio.sleep(DELAY_S / 10)
+        seen.append(scope["type"])
+
+    middleware = TrimWhenIdle(app)
+    calls: list[int] = []
+    middleware.idle.trim, middleware.idle.delay_s = (lambda: calls.append(1)), DELAY_S
+
+    async def go() -> None:
+        await middleware({"type": "lifespan"}, None, None)
+        await asyncio.gather(*(middleware({"type": "http"}, None, None) for _ in range(70)))
+        await asyncio.sleep(DELAY_S * 5)
+
+    asyncio.run(go())
+    assert (len(seen), calls, middleware.idle.peak) == (71, [1], 0)
+
+
+def test_serve_takes_the_proxy_middlewares_from_the_config_env() -> None:
+    from ray.serve._private.http_util import validate_http_proxy_callback_return
+    from ray.serve._private.utils import call_function_from_import_path
+
+    config = yaml.safe_load((ROOT / "deployments" / "serve_config.yaml").read_text())
+    env = config["applications"][0]["runtime_env"]["env_vars"]
+    (middleware,) = validate_http_proxy_callback_return(
+        call_function_from_import_path(env[PROXY_CALLBACK_ENV]))
+    assert middleware.cls is TrimWhenIdle
+    # KubeRay: the app's runtime_env does not reach the proxy; every pod has it in its env.
+    service = yaml.safe_load((ROOT / "k8s" / "rayservice.yaml").read_text())
+    spec = service["spec"]["rayClusterConfig"]
+    for group in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:
+        for container in group["template"]["spec"]["containers"]:
+            assert {"name": PROXY_CALLBACK_ENV, "value": PROXY_CALLBACK} in container["env"]
