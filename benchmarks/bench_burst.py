@@ -1,7 +1,8 @@
 """The HTTP front under a burst and under slow clients, on 127.0.0.1 only.
 
 Serves the pd-cache app (tiny model, 1 prefill + 1 decode, no L3) through Serve's proxy on a
-throwaway cluster, then:
+throwaway cluster whose job environment is the one ``pd-cache serve`` gives it (the
+runtime_env of ``deployments/serve_config.yaml``), then:
 
 1. **burst**: ``--burst`` connections at once, each sending one completion (most get 429
    beyond ``max_pending``), then ``--requests`` more, ``--concurrency`` at a time. The
@@ -30,10 +31,13 @@ from typing import Any
 
 import aiohttp
 
+from pd_cache.app.serve import job_runtime_env, load_serve_config
 from pd_cache.app.session import ray_session
+from pd_cache.front.memory import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 
 SEED = 2024
 RESULTS = Path(__file__).parent / "results" / "burst.json"
+SERVE_CONFIG = Path(__file__).parents[1] / "deployments" / "serve_config.yaml"
 PROCESSES = {"ingress": "ray::ServeReplica:burst:PDCacheIngress", "proxy": "ray::ProxyActor"}
 ARGS = {"model": "tiny", "page_size": 4, "num_prefill": 1, "num_decode": 1, "num_storage": 0,
         "cluster_name": None}
@@ -138,6 +142,12 @@ async def _still_open(reader: asyncio.StreamReader) -> bool:
         return False
 
 
+def proxy_trims(pid: int) -> bool:
+    """The proxy runs pd-cache's idle trim (``PROXY_CALLBACK`` is in its environment)."""
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return f"{PROXY_CALLBACK_ENV}={PROXY_CALLBACK}".encode() in f.read().split(b"\0")
+
+
 def sample(pids: dict[str, int]) -> dict[str, float]:
     return {name: round(rss_mib(pid), 1) for name, pid in pids.items()}
 
@@ -162,11 +172,12 @@ def main() -> None:
     from pd_cache.front.serve import app_builder
 
     port = free_port()
-    with ray_session(None):
+    with ray_session(None, runtime_env=job_runtime_env(load_serve_config(SERVE_CONFIG))):
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(app_builder(ARGS), name="burst", route_prefix="/")
         url = f"http://127.0.0.1:{port}"
         pids = find_pids()
+        trims = proxy_trims(pids["proxy"])
         asyncio.run(burst(url, argparse.Namespace(**{**vars(args), "burst": 32,
                                                      "requests": 64})))   # warm both up
         before = sample(pids)
@@ -180,7 +191,8 @@ def main() -> None:
     result = {"config": {**vars(args), "seed": SEED, "app_args": ARGS,
                          "python": platform.python_version(), "cpus": os.cpu_count()},
               "rss_mib": {"before": before, "after_burst": after, "settled": settled},
-              "burst_rss_growth_mib": growth, "goal_mib": 30, **load, **slow}
+              "burst_rss_growth_mib": growth, "goal_mib": 30, "proxy_idle_trim": trims,
+              **load, **slow}
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

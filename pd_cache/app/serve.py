@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     config = with_api_keys(config, args.api_keys, args.host)
     apps = [(a, build_application(a)) for a in config.applications]  # bad args fail here
     with ray_session(args.address, dashboard=args.dashboard,
-                     runtime_env=_runtime_env(config)):
+                     runtime_env=job_runtime_env(config)):
         try:
             _serve(config, apps, args)
         except RayActorError as exc:
@@ -171,7 +171,9 @@ def _destroy_named_clusters(config: Any) -> None:
             PDCluster.destroy(name)
 
 
-def _runtime_env(config: Any) -> dict[str, Any] | None:
+def job_runtime_env(config: Any) -> dict[str, Any] | None:
+    """The runtime_env of the job `pd-cache serve` runs: the applications' one (Serve's
+    controller and proxy inherit it)."""
     envs = {repr(a.runtime_env) for a in config.applications if a.runtime_env}
     if len(envs) > 1:
         raise ValueError("applications[].runtime_env: pd-cache serve applies one runtime_env "

@@ -48,6 +48,7 @@ from pd_cache.front import openai
 from pd_cache.front.app_args import AppArgs, IngressConfig
 from pd_cache.front.hf_tokenizer import tokenizer_for
 from pd_cache.front.http import HTTPError, check_rid, decode_json, read_body, value_error
+from pd_cache.front.memory import IdleTrim, malloc_trim
 from pd_cache.front.tenants import KEYS_ENV, Tenant, Tenants, Unauthorized
 
 log = logging.getLogger(__name__)
@@ -89,12 +90,16 @@ class PDCacheIngress:
         # NOTE: a checkpoint's own tokenizer and chat template; the byte one for presets.
         self.tokenizer = tokenizer_for(self.cluster.pd.model)
         self._pending = 0
+        self._idle_trim = IdleTrim(malloc_trim())   # a burst's freed heap goes back after it
 
     async def __call__(self, request: Any) -> Any:
+        self._idle_trim.enter()
         try:
             return await self._route(request)
         except HTTPError as exc:
             return _json(exc.status, exc.body(), exc.headers)
+        finally:
+            self._idle_trim.leave()
 
     async def _route(self, request: Any) -> Any:
         path, method = request.url.path.rstrip("/") or "/", request.method

@@ -2,7 +2,9 @@
 
 Every cluster the tests start is a throwaway one that admits only its own processes: one
 fresh token per pytest session (``cluster_token``), in the environment of every Ray process
-they start, the multi-node module's cluster included.
+they start, the multi-node module's cluster included. The session's cluster is started as a
+pd-cache command starts its own (``local_cluster_options`` inside ``loopback_node``): every
+HTTP port on loopback, which ``test_ports.py`` checks.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import NamedTuple
 
 import pytest
 
-from pd_cache.app.session import ClusterToken, cluster_token
+from pd_cache.app.session import ClusterToken, cluster_token, local_cluster_options, loopback_node
 
 ray = pytest.importorskip("ray")
 
@@ -51,17 +53,16 @@ def ray_token() -> Iterator[ClusterToken]:
 @pytest.fixture(scope="session")
 def ray_cluster(ray_token: ClusterToken) -> Iterator[RayCluster]:
     port = _free_port()
-    # NOTE: address="local" always starts a cluster of its own: never attach a test session
-    # to some other Ray cluster that happens to run on this machine.
-    info = ray.init(
-        address="local",
-        num_cpus=4,
-        include_dashboard=False,
-        _metrics_export_port=port,
-        _system_config={"metrics_report_interval_ms": 1000},
-        runtime_env={"env_vars": {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1",
-                                  "OMP_NUM_THREADS": "1"}},
-        logging_level="WARNING",
-    )
-    yield RayCluster(address=info.address_info["gcs_address"], metrics_port=port)
-    ray.shutdown()
+    # NOTE: "local" (local_cluster_options) always starts a cluster of its own: never attach
+    # a test session to some other Ray cluster that happens to run on this machine.
+    options = local_cluster_options(metrics_interval_ms=1000) | {"num_cpus": 4}
+    with loopback_node():
+        info = ray.init(
+            **options,
+            _metrics_export_port=port,
+            runtime_env={"env_vars": {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1",
+                                      "OMP_NUM_THREADS": "1"}},
+            logging_level="WARNING",
+        )
+        yield RayCluster(address=info.address_info["gcs_address"], metrics_port=port)
+        ray.shutdown()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 LISTEN = "0A"
@@ -74,6 +75,13 @@ def speaks_http(listener: Listener, timeout_s: float = 3.0) -> bool:
             return s.recv(16).startswith(b"HTTP/")
     except OSError:   # refused, reset or silent until the timeout
         return False
+
+
+def http_listeners(pids: set[int]) -> list[Listener]:
+    """The listening sockets of ``pids`` that answer HTTP/1 (probed all at once)."""
+    found = listeners(pids)
+    with ThreadPoolExecutor(max(1, len(found))) as pool:
+        return [s for s, http in zip(found, pool.map(speaks_http, found)) if http]
 
 
 def _listening_inodes() -> dict[str, tuple[str, int]]:

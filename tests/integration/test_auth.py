@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import stat
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ import pytest
 import yaml
 
 from pd_cache.app.session import ClusterToken
+from tests.integration.listening import http_listeners
 
 ray = pytest.importorskip("ray")
 import psutil  # noqa: E402  (the test extra)
@@ -139,8 +142,27 @@ def _stop(command: subprocess.Popen[str]) -> None:
             os.killpg(command.pid, signal.SIGKILL)
 
 
+def _assert_http_on_loopback(output: str, pids: set[int], dashboard: bool) -> None:
+    """The command printed its metrics URL (and the dashboard's, if it runs one), both on
+    loopback and both answering; no process of its cluster serves HTTP beyond loopback."""
+    found = http_listeners(pids)
+    metrics = re.search(r"Ray metrics \(Prometheus text\): (http://127\.0\.0\.1:(\d+)\S*)",
+                        output)
+    assert metrics, output[-3000:]
+    with urllib.request.urlopen(metrics.group(1), timeout=10) as r:
+        assert b"ray_" in r.read()
+    ports = {int(metrics.group(2))}
+    if dashboard:
+        url = re.search(r"Ray dashboard: http://127\.0\.0\.1:(\d+)", output)
+        assert url, output[-3000:]
+        ports.add(int(url.group(1)))
+    assert ports <= {s.port for s in found}, found
+    assert [s for s in found if not s.loopback] == []
+
+
 @pytest.mark.parametrize("argv, ready, sig, group, code", [
-    (["serve", "{config}", "--port", "{port}"], "serving; ", signal.SIGTERM, False, 0),
+    (["serve", "{config}", "--port", "{port}", "--dashboard"], "serving; ", signal.SIGTERM,
+     False, 0),
     (["run", "--model", "tiny", "--num-prefill", "1", "--num-decode", "1", "--num-storage", "0",
       "--tenants", "1", "--clients", "1", "--rounds", "40", "--system-tokens", "8",
       "--user-tokens", "4", "--output-tokens", "2"], "round 1/", signal.SIGINT, True, 130),
@@ -155,6 +177,7 @@ def test_a_stopped_command_leaves_no_ray_process(tmp_path: Path, argv: list[str]
         token_path, cluster = _cluster_of(command)
         assert stat.S_IMODE(os.stat(token_path).st_mode) == 0o600
         assert {_name(p) for p in cluster} >= {"gcs_server", "raylet"}
+        _assert_http_on_loopback("".join(lines), {p.pid for p in cluster}, "--dashboard" in argv)
         # an orchestrator signals the command; Ctrl-C signals the terminal's process group
         if group:
             os.killpg(command.pid, sig)
