@@ -20,3 +20,16 @@ def test_finish_reason_is_stop_only_when_the_last_token_is_a_stop_id() -> None:
     assert body["choices"][0]["finish_reason"] == "stop"
     assert body["usage"]["completion_tokens"] == 2
     assert '"finish_reason": "stop"' in Chunks("cmpl-1", "m", True).token("", None, "stop")
+
+
+def test_admin_usage_chunk_carries_the_prefill_time_and_the_ingress_hops() -> None:
+    import json
+
+    out = completion([3, 2])._replace(prefill_s=0.0042)
+    hops = {"received_ns": 10, "first_token_ns": 20}
+    event = Chunks("cmpl-1", "m", False).usage(out, True, hops)
+    shown = json.loads(event.removeprefix("data: "))["pd_cache"]
+    assert shown["prefill_ms"] == 4.2 and shown["ttft_ms"] == 10.0
+    assert shown["received_ns"] == 10 and shown["first_token_ns"] == 20
+    assert "pd_cache" not in json.loads(
+        Chunks("cmpl-1", "m", False).usage(out, False, hops).removeprefix("data: "))
