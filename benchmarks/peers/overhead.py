@@ -3,7 +3,8 @@ minus the in-process compute of the same request, split by hop.
 
 The floor is bench_engine's idea for a cold prompt: pd-cache's own model forward over the
 prompt and the greedy pick of the first token, in this process, on one thread (each worker
-runs with OMP_NUM_THREADS=1), nothing else. The hops come from clock reads on one machine:
+runs with OMP_NUM_THREADS=1), nothing else; the fastest of its runs (the least disturbed on
+a shared machine), taken before the servers start. The hops come from clock reads on one machine:
 the client's ``time.time_ns()`` when it sends and when the first token arrives, and the
 ingress's (``received_ns``, ``first_token_ns``) and the cluster's (``ttft_ms``, the prefill
 worker's own ``prefill_ms``) that pd-cache shows an admin key in the stream's last chunk::
@@ -98,9 +99,13 @@ def breakdown(stamps: list[dict[str, float]], floor: float) -> dict[str, Any]:
                      "ingress_ms": ingress_total - s["ttft_ms"],
                      "router_and_call_ms": s["ttft_ms"] - s["prefill_ms"],
                      "worker_ms": s["prefill_ms"] - floor,
+                     "prefill_worker_total_ms": s["prefill_ms"],
                      "first_token_back_ms": (s["first"] - s["first_token_ns"]) / 1e6})
     med = {k: round(statistics.median(r[k] for r in rows), 2) for k in rows[0]}
     return {"ttft_p50_ms": med.pop("ttft_ms"), "floor_ms": round(floor, 2),
             "serving_overhead_ms": round(statistics.median(r["ttft_ms"] for r in rows)
                                          - floor, 2),
-            "hops_p50_ms": med, "requests": len(rows)}
+            "hops_p50_ms": med, "requests": len(rows),
+            "hops_outside_worker_p50_ms": round(statistics.median(
+                r["proxy_in_ms"] + r["ingress_ms"] + r["router_and_call_ms"]
+                + r["first_token_back_ms"] for r in rows), 2)}

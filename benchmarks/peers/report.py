@@ -35,8 +35,7 @@ def build(measured: dict[str, Any], args: argparse.Namespace,
         "startup_s": measured["startup_s"], "skipped": measured["skipped"],
         "points": points, "goodput": goodput(points)}
     if "hops" in measured:
-        result["overhead"] = overhead.breakdown(measured["hops"],
-                                                measured["floor"]["median_ms"])
+        result["overhead"] = overhead.breakdown(measured["hops"], measured["floor"]["min_ms"])
         result["overhead"]["floor"] = measured["floor"]
     result.update(ratios(result))
     return result
