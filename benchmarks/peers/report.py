@@ -129,9 +129,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
     for key, row in result["points"].items():
         group, rate = key.rsplit("/", 1)
         try:
-            groups.setdefault(group, []).append((float(rate), row))
+            x = float(rate)
         except ValueError:
             continue   # the trace's own times, low-load: not on a rate axis
+        groups.setdefault(group, []).append((x, row))
     if not groups:
         return
     fig, axes = plt.subplots(2, len(groups), figsize=(4 * len(groups), 6), squeeze=False)
