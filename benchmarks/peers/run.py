@@ -19,6 +19,7 @@ skipped and listed as such. Start it alone on the machine: both servers share it
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import os
@@ -103,17 +104,19 @@ def measure(args: argparse.Namespace, work: Path, deadline: float) -> dict[str, 
                 if time.monotonic() > deadline:
                     meta["skipped"].append(p.key)
                     continue
-                cells[p.key] = run_cell(p, servers, work, args)
+                cells[p.key] = run_cell(p, servers, work, args, deadline)
         finally:
             for server in servers.values():
                 server.stop()
     return {"cells": cells, **meta}
 
 
-def run_cell(p: Point, servers: dict[str, Server], work: Path,
-             args: argparse.Namespace) -> dict[str, Any]:
+def run_cell(p: Point, servers: dict[str, Server], work: Path, args: argparse.Namespace,
+             deadline: float) -> dict[str, Any]:
     cell: dict[str, Any] = {name: [] for name in servers}
     for rep in range(args.repeats):
+        if rep and time.monotonic() > deadline:   # fewer repeats rather than none
+            break
         # NOTE: a seed of its own per point and repeat (never shared by two workloads: the
         # first ids of two streams of one seed are the same, a cache hit no one meant)
         seed = zlib.crc32(f"{p.key}#{rep}".encode()) % 1_000_000
@@ -149,6 +152,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--low-load-input", type=int, default=256)
     ap.add_argument("--budget-min", type=float, default=42.0,
                     help="skip the points that would start after this (default %(default)s)")
+    ap.add_argument("--stop-at", default=None, metavar="HH:MM",
+                    help="UTC time after which no point or repeat starts (a shared "
+                         "machine's slot); the earlier of this and --budget-min")
     ap.add_argument("--run-timeout-s", type=float, default=300.0)
     ap.add_argument("--pd-flags", default="", help="more pd-cache serve flags, e.g. "
                                                    "'--num-prefill 1 --num-decode 1'")
@@ -174,12 +180,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def seconds_until(hhmm: str) -> float:
+    """Seconds from now to the next ``HH:MM`` UTC."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    hour, minute = (int(x) for x in hhmm.split(":"))
+    at = now.replace(hour=hour, minute=minute, second=0, microsecond=0)
+    if at < now - datetime.timedelta(hours=12):
+        at += datetime.timedelta(days=1)
+    return (at - now).total_seconds()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.work_dir.mkdir(parents=True, exist_ok=True)
     began = time.monotonic()
     load_before = os.getloadavg()
-    measured = measure(args, args.work_dir, began + args.budget_min * 60)
+    deadline = began + args.budget_min * 60
+    if args.stop_at:
+        deadline = min(deadline, began + seconds_until(args.stop_at))
+    measured = measure(args, args.work_dir, deadline)
     machine = {"cpus": os.cpu_count(), "platform": platform.platform(),
                "load_avg_before": [round(x, 2) for x in load_before],
                "load_avg_after": [round(x, 2) for x in os.getloadavg()],
