@@ -37,6 +37,7 @@ def build(measured: dict[str, Any], args: argparse.Namespace,
     if "hops" in measured:
         result["overhead"] = overhead.breakdown(measured["hops"], measured["floor"]["min_ms"])
         result["overhead"]["floor"] = measured["floor"]
+        result["overhead"]["stamps"] = measured["hops"]   # raw, for another breakdown
     result.update(ratios(result))
     return result
 
