@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 # (torch>=2.4) is then already satisfied and nothing large is downloaded.
 TORCH  := torch==2.13.0
 
-.PHONY: run test lint bench clean
+.PHONY: run test lint bench bench-peer clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -44,6 +44,13 @@ lint: $(VENV)/.installed-test
 # NOTE: the test extras include hf, which benchmarks/bench_hf.py needs.
 bench: $(VENV)/.installed-test
 	for b in benchmarks/bench_*.py; do $(PY) $$b || exit 1; done
+
+# `make bench-peer`: pd-cache beside `transformers serve` on the same checkpoints and
+# workloads (benchmarks/peers/run.py; <= 45 minutes). Each peer goes into a venv of its own
+# under the temp directory, never into $(VENV); PEER_ARGS=--quick for a few minutes,
+# PEER_ARGS='--peer-url URL' for a server already running (vLLM, SGLang).
+bench-peer: $(VENV)/.installed-test
+	$(PY) benchmarks/peers/run.py $(PEER_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -99,12 +99,18 @@ def usage(out: Completion) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def details(out: Completion) -> dict[str, Any]:
-    """What only admin keys see: cached tokens by tier, timings, the workers used."""
-    return {"cached_tokens": dict(out.cached_tokens), "ttft_ms": round(out.ttft_s * 1e3, 3),
+def details(out: Completion, hops: dict[str, int] | None = None) -> dict[str, Any]:
+    """What only admin keys see: cached tokens by tier, timings, the workers used.
+    ``ttft_ms``: the cluster's, from routing to the prefill worker's answer; ``prefill_ms``:
+    the worker's own part of it. ``hops`` (streams): ``received_ns`` and ``first_token_ns``,
+    ``time.time_ns()`` when the ingress got the request and handed on its first token, so a
+    client on the same machine can split its TTFT by hop."""
+    body = {"cached_tokens": dict(out.cached_tokens), "ttft_ms": round(out.ttft_s * 1e3, 3),
+            "prefill_ms": round(out.prefill_s * 1e3, 3),
             "latency_ms": round(out.latency_s * 1e3, 3), "prefill_worker": out.prefill_worker,
             "decode_worker": out.decode_worker, "attempts": out.attempts,
             "cross_namespace_tokens": out.cross_namespace_tokens}
+    return body | hops if hops else body
 
 
 def answer(rid: str, model: str, chat: bool, text: str, out: Completion, admin: bool,
@@ -151,10 +157,10 @@ class Chunks:
         self._first = False
         return self._event({"choices": [choice]})
 
-    def usage(self, out: Completion, admin: bool) -> str:
+    def usage(self, out: Completion, admin: bool, hops: dict[str, int] | None = None) -> str:
         body: dict[str, Any] = {"choices": [], "usage": usage(out)}
         if admin:
-            body["pd_cache"] = details(out)
+            body["pd_cache"] = details(out, hops)
         return self._event(body)
 
     def _event(self, body: dict[str, Any]) -> str:

@@ -164,6 +164,7 @@ class PDCacheIngress:
                            "latency_ms": round(out.latency_s * 1e3, 3)})
 
     async def _openai(self, request: Any, *, chat: bool) -> Any:
+        received_ns = time.time_ns()
         tenant = self._tenant(request)
         kind = openai.ChatRequest if chat else openai.CompletionRequest
         body = decode_json(await read_body(request, self.args.max_body_bytes), kind)
@@ -177,7 +178,7 @@ class PDCacheIngress:
                                body.extra_key, body.rid, openai.client_names(body, chat))
         rid = openai.request_id(chat)
         if body.stream:
-            return self._sse(req, rid, chat, tenant.admin, body.include_usage)
+            return self._sse(req, rid, chat, tenant.admin, body.include_usage, received_ns)
         with self._admitted():
             out = await self._complete(req)
         text = self.tokenizer.decode(out.output_ids)
@@ -254,15 +255,17 @@ class PDCacheIngress:
         except Exception as exc:  # noqa: BLE001  (a dead worker, a deadline, a failed task)
             raise _unavailable(req, exc) from None
 
-    def _sse(self, req: Req, rid: str, chat: bool, admin: bool, with_usage: bool) -> Any:
+    def _sse(self, req: Req, rid: str, chat: bool, admin: bool, with_usage: bool,
+             received_ns: int) -> Any:
         from starlette.responses import StreamingResponse
 
         place = self._admitted()   # refused (429) before the stream starts, held until it ends
-        return StreamingResponse(self._events(req, rid, chat, admin, with_usage, place),
+        hops = {"received_ns": received_ns}
+        return StreamingResponse(self._events(req, rid, chat, admin, with_usage, place, hops),
                                  media_type="text/event-stream")
 
     async def _events(self, req: Req, rid: str, chat: bool, admin: bool, with_usage: bool,
-                      place: _Place) -> AsyncIterator[str]:
+                      place: _Place, hops: dict[str, int]) -> AsyncIterator[str]:
         chunks, text = openai.Chunks(rid, self.model, chat), self.tokenizer.stream()
         with place:
             try:
@@ -271,8 +274,10 @@ class PDCacheIngress:
                         yield chunks.token(text.flush(), None, openai.finish_reason(
                             item, req.sampling.stop_token_ids))
                         if with_usage:
-                            yield chunks.usage(item, admin)
+                            yield chunks.usage(item, admin, hops)
                     else:
+                        if "first_token_ns" not in hops:   # the overhead breakdown's
+                            hops["first_token_ns"] = time.time_ns()
                         yield chunks.token(text.feed(item), item)
             except Exception as exc:  # noqa: BLE001 - the stream ends with an error event
                 yield openai.error_event(_unavailable(req, exc).body())

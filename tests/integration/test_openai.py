@@ -85,8 +85,14 @@ def test_completion_equals_the_model_and_reports_the_tenants_own_reuse(url: str,
 def test_token_id_prompts_streaming_and_usage_chunks(url: str, model: Model) -> None:
     ops = client(url, "sk-ops-00003")
     ids = TOK.encode("stream me, please")
+    sent = time.time_ns()
     chunks = list(ops.completions.create(model="tiny", prompt=ids, max_tokens=8, stream=True,
                                          stream_options={"include_usage": True}))
+    done = time.time_ns()
+    hops = chunks[-1].model_extra["pd_cache"]      # the overhead breakdown's clock reads
+    assert sent < hops["received_ns"] < hops["first_token_ns"] < done
+    assert 0 < hops["prefill_ms"] <= hops["ttft_ms"]
+    assert hops["first_token_ns"] - hops["received_ns"] >= hops["ttft_ms"] * 1e6
     tokens = [t for c in chunks if c.choices for t in c.choices[0].model_extra["token_ids"]]
     assert tokens == reference(model, ids, 8)
     assert len([c for c in chunks if c.choices and c.choices[0].model_extra["token_ids"]]) == 8

@@ -133,6 +133,9 @@ def _server_arguments(g: Any) -> None:
                         "/reset_prefix_cache, SGLang: /flush_cache)")
     g.add_argument("--no-drop-caches", dest="drop_caches", action="store_false",
                    help="do not empty the caches between warm-up and measurement")
+    g.add_argument("--text-prompts", action="store_true",
+                   help="send prompts as text and only OpenAI's own fields (for servers "
+                        "that refuse token ids or extensions: transformers serve)")
     g.add_argument("--page-size-hint", type=int, default=None,
                    help="the server's page size, for the oracle (default: --page-size)")
 
@@ -246,7 +249,7 @@ def run_http(args: argparse.Namespace, workload: Workload, warmup: Workload, loa
              report: Report) -> list[Server]:
     target = HTTPTarget(args.target, api_keys=args.api_key, model=args.model_name,
                         drop_route=args.drop_caches_route if args.drop_caches else None,
-                        admin_key=args.admin_key)
+                        admin_key=args.admin_key, text_prompts=args.text_prompts)
     server = Server(target, metrics_url=args.metrics_url, label="server")
 
     async def go() -> list[dict[str, Any]]:

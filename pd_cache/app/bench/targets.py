@@ -20,6 +20,23 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any, NamedTuple
 
 DROP_ROUTE = "/admin/drop_caches"
+# NOTE: text mode writes id i as the printable ASCII character 32 + i % 95 and reads an
+# answer's characters back the same way, so a later turn embeds the answer's own text. With
+# a byte-level tokenizer without merges (`make-checkpoint --vocab-size 259`) one character
+# is one token, and both servers tokenize the same text the same way.
+_FIRST_PRINTABLE, _PRINTABLE = 32, 95
+
+
+def ids_to_text(ids: Sequence[int]) -> str:
+    """The prompt text that stands for ``ids`` in text mode."""
+    return "".join(chr(_FIRST_PRINTABLE + i % _PRINTABLE) for i in ids)
+
+
+def text_to_ids(text: str) -> list[int]:
+    """The ids whose ``ids_to_text`` is ``text`` (a character outside the printable ASCII
+    range counts as id 0: its length is kept, not its value)."""
+    return [o - _FIRST_PRINTABLE if 0 <= o - _FIRST_PRINTABLE < _PRINTABLE else 0
+            for o in map(ord, text)]
 
 
 class Reply(NamedTuple):
@@ -107,17 +124,21 @@ class HTTPTarget:
     ``model``: the served model's name (default: the first that
     ``/v1/models`` lists). Requests are completions with token-id prompts, greedy, streamed
     with usage; ``cache_salt`` (vLLM) and ``extra_key`` (SGLang) name the namespace, and
-    ``ignore_eos`` keeps every answer at its requested length.
+    ``ignore_eos`` keeps every answer at its requested length. ``text_prompts``: the prompt
+    goes as text (``ids_to_text``), the body carries only OpenAI's own fields, and the
+    answer's ids are read back from its text; the server's own length controls then decide
+    the length (a checkpoint that never draws its end-of-sequence id keeps answers equal).
     """
 
     def __init__(self, url: str, *, api_keys: Sequence[str] = (), model: str | None = None,
                  timeout_s: float = 600.0, drop_route: str | None = DROP_ROUTE,
-                 admin_key: str | None = None) -> None:
+                 admin_key: str | None = None, text_prompts: bool = False) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"target: expected 'local' or an http(s) URL, got {url!r}")
         self.url, self.name = url.rstrip("/"), url.rstrip("/")
         self.api_keys, self.model = list(api_keys), model
         self.timeout_s, self.drop_route, self.admin_key = timeout_s, drop_route, admin_key
+        self.text_prompts = text_prompts
         self._session: Any = None
 
     async def _http(self) -> Any:
@@ -148,17 +169,10 @@ class HTTPTarget:
         return self.model
 
     async def stream(self, spec: Any, prompt_ids: list[int]) -> AsyncIterator[Tokens | Reply]:
-        body: dict[str, Any] = {
-            "model": await self.served_model(), "prompt": prompt_ids,
-            "max_tokens": spec.max_tokens, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": True,
-            "return_token_ids": True}
-        if spec.cache_salt is not None:
-            body["cache_salt"] = spec.cache_salt
-        if spec.extra_key is not None:
-            body["extra_key"] = spec.extra_key
+        body = self._body(spec, prompt_ids, await self.served_model())
         http = await self._http()
         ids: list[int] = []
+        text: list[str] = []
         count, usage, details = 0, None, None
         async with http.post(f"{self.url}/v1/completions", json=body,
                              headers=self._headers(spec.tenant)) as resp:
@@ -172,12 +186,29 @@ class HTTPTarget:
                     new = choice.get("token_ids")
                     n = len(new) if new is not None else int(bool(choice.get("text")))
                     ids += new or []
+                    text.append(choice.get("text") or "")
                     if n:
                         count += n
                         yield Tokens(n)
                 usage = event.get("usage") or usage
                 details = event.get("pd_cache") or details
+        if self.text_prompts:
+            ids = text_to_ids("".join(text))
         yield _http_reply(ids, count, usage, details)
+
+    def _body(self, spec: Any, prompt_ids: list[int], model: str) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": model, "max_tokens": spec.max_tokens, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}}
+        if self.text_prompts:
+            body["prompt"] = ids_to_text(prompt_ids)
+            return body
+        body.update(prompt=prompt_ids, ignore_eos=True, return_token_ids=True)
+        if spec.cache_salt is not None:
+            body["cache_salt"] = spec.cache_salt
+        if spec.extra_key is not None:
+            body["extra_key"] = spec.extra_key
+        return body
 
     async def drop_caches(self) -> dict[str, int]:
         """``POST {url}{drop_route}`` (pd-cache: ``/admin/drop_caches`` with an admin key;

@@ -115,3 +115,14 @@ def test_a_token_outside_the_vocabulary_names_the_prompt_or_the_messages() -> No
 ])
 def test_every_status_the_front_answers_has_openais_error_type(status: int, kind: str) -> None:
     assert HTTPError(status, "no").body()["error"]["type"] == kind
+def test_admin_usage_chunk_carries_the_prefill_time_and_the_ingress_hops() -> None:
+
+
+    out = completion([3, 2])._replace(prefill_s=0.0042)
+    hops = {"received_ns": 10, "first_token_ns": 20}
+    event = Chunks("cmpl-1", "m", False).usage(out, True, hops)
+    shown = json.loads(event.removeprefix("data: "))["pd_cache"]
+    assert shown["prefill_ms"] == 4.2 and shown["ttft_ms"] == 10.0
+    assert shown["received_ns"] == 10 and shown["first_token_ns"] == 20
+    assert "pd_cache" not in json.loads(
+        Chunks("cmpl-1", "m", False).usage(out, False, hops).removeprefix("data: "))
