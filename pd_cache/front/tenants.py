@@ -1,12 +1,8 @@
 """Tenants the server vouches for: API keys, and the namespace salt derived from them.
 
-The key file is a JSON object whose values are a tenant name or
-``{"tenant": name, "admin": true}``::
-
-    {"sk-a": "acme", "sk-ops": {"tenant": "ops", "admin": true}}
-
-With keys, every request needs ``Authorization: Bearer <key>``, and its ``cache_salt`` is
-the server's, never the client's::
+The key file (``pd_cache.front.keyfile``) maps each key to its tenant (and the key's rate
+limits, the tenant's quotas). With keys, every request needs ``Authorization: Bearer <key>``,
+and its ``cache_salt`` is the server's, never the client's::
 
     cache_salt = hex(HMAC-SHA256(secret, utf8(tenant) || 0x00 || utf8(client_salt or "")))
 
@@ -21,19 +17,14 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import os
 import secrets
 from pathlib import Path
-from typing import NamedTuple
+
+from pd_cache.front.keyfile import Tenant, TenantLimits, parse_key_file
 
 KEYS_ENV = "PD_CACHE_API_KEYS_FILE"
 SECRET_ENV = "PD_CACHE_SECRET_FILE"
-
-
-class Tenant(NamedTuple):
-    name: str
-    admin: bool = False
 
 
 class Unauthorized(Exception):
@@ -43,22 +34,31 @@ class Unauthorized(Exception):
 class Tenants:
     """API key -> tenant, and the secret that turns a tenant into its namespace salt."""
 
-    def __init__(self, keys: dict[str, Tenant], secret: bytes) -> None:
+    def __init__(self, keys: dict[str, Tenant], secret: bytes,
+                 limits: dict[str, TenantLimits] | None = None) -> None:
         if len(secret) < 16:
             raise ValueError("secret: expected at least 16 bytes")
-        # NOTE: look keys up by their digest so the table holds no key in clear.
-        self._by_digest = {_digest(k): t for k, t in keys.items()}
+        # NOTE: look keys up by their digest so the table holds no key in clear; a key's
+        # rate bucket is named by another digest prefix, which reveals nothing either.
+        self._by_digest = {_digest(k): t._replace(key_id=_digest(k).hex()[:16])
+                           for k, t in keys.items()}
         self._secret = secret
+        self.limits = dict(limits or {})
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every tenant of the key file, sorted: the only values a tenant label takes."""
+        return tuple(sorted({t.name for t in self._by_digest.values()}))
 
     @classmethod
     def from_file(cls, keys_file: str | os.PathLike[str],
                   secret_file: str | os.PathLike[str] | None = None) -> Tenants:
         """Read the key file; read (or create, 0600) the secret file."""
         path = Path(keys_file)
-        keys = parse_keys(path)
+        parsed = parse_key_file(path)
         secret_path = Path(secret_file or os.environ.get(SECRET_ENV)
                            or path.with_name(path.name + ".secret"))
-        return cls(keys, read_or_create_secret(secret_path))
+        return cls(parsed.keys, read_or_create_secret(secret_path), parsed.tenants)
 
     def tenant(self, authorization: str | None) -> Tenant:
         """The tenant of an ``Authorization: Bearer <key>`` header; ``Unauthorized``."""
@@ -74,32 +74,6 @@ class Tenants:
         """The namespace salt of ``tenant``, subdivided by the client's own salt."""
         message = tenant.name.encode() + b"\x00" + (client_salt or "").encode()
         return hmac.new(self._secret, message, hashlib.sha256).hexdigest()
-
-
-def parse_keys(path: Path) -> dict[str, Tenant]:
-    """The key file as ``{key: Tenant}``; ``ValueError`` naming what is wrong."""
-    try:
-        raw = json.loads(path.read_text())
-    except OSError as e:
-        raise ValueError(f"api_keys_file: cannot read {path}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"api_keys_file: {path} is not JSON: {e}") from None
-    if not isinstance(raw, dict) or not raw:
-        raise ValueError(f"api_keys_file: {path}: expected a non-empty JSON object")
-    return {key: _tenant(key, value) for key, value in raw.items()}
-
-
-def _tenant(key: str, value: object) -> Tenant:
-    if len(key) < 8:
-        raise ValueError(f"api_keys_file: key {key[:4]!r}...: keys are at least 8 characters")
-    if isinstance(value, str) and value:
-        return Tenant(value)
-    if isinstance(value, dict) and isinstance(value.get("tenant"), str) and value["tenant"] \
-            and isinstance(value.get("admin", False), bool) \
-            and set(value) <= {"tenant", "admin"}:
-        return Tenant(value["tenant"], value.get("admin", False))
-    raise ValueError(f"api_keys_file: key {key[:4]!r}...: expected a tenant name or "
-                     f"{{\"tenant\": name, \"admin\": bool}}, got {value!r}")
 
 
 def read_or_create_secret(path: Path) -> bytes:

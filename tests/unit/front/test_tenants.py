@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pd_cache.front.tenants import Tenant, Tenants, Unauthorized, parse_keys
+from pd_cache.front.keyfile import KeyRate, TenantLimits, parse_key_file
+from pd_cache.front.tenants import Tenant, Tenants, Unauthorized
 
 
 def hmac_sha256(key: bytes, message: bytes) -> str:
@@ -38,7 +39,8 @@ def test_the_salt_is_hmac_of_tenant_and_client_salt(tmp_path: Path) -> None:
     assert secret_file.stat().st_mode & 0o777 == 0o600
     secret = bytes.fromhex(secret_file.read_text())
     acme = tenants.tenant("Bearer sk-acme-0001")
-    assert acme == Tenant("acme") and tenants.tenant("bearer sk-ops-00002").admin
+    assert (acme.name, acme.admin) == ("acme", False)
+    assert tenants.tenant("bearer sk-ops-00002").admin
     assert tenants.cache_salt(acme, None) == hmac_sha256(secret, b"acme\x00")
     assert tenants.cache_salt(acme, "team-1") == hmac_sha256(secret, b"acme\x00team-1")
     assert tenants.cache_salt(acme, "ops") != tenants.cache_salt(Tenant("ops"), None)
@@ -57,17 +59,59 @@ def test_a_missing_or_unknown_key_is_unauthorized(tmp_path: Path, header: str | 
 @pytest.mark.parametrize("keys, match", [
     ([], "non-empty JSON object"), ({}, "non-empty JSON object"),
     ({"short": "acme"}, "at least 8"), ({"sk-acme-0001": ""}, "tenant name"),
-    ({"sk-acme-0001": {"tenant": "a", "admin": "yes"}}, "tenant name"),
-    ({"sk-acme-0001": {"tenant": "a", "role": "x"}}, "tenant name"),
+    ({"sk-acme-0001": {"admin": True}}, "tenant name"),
+    ({"sk-acme-0001": {"tenant": "a", "admin": "yes"}}, "'sk-a'.*'a'.*admin: expected true"),
+    ({"sk-acme-0001": {"tenant": "a", "role": "x"}}, "'sk-a'.*tenant 'a'.*unknown field 'role'"),
+    # the top-level form: every unknown field names the key's first 4 characters, the
+    # tenant and the field; bad values name the field and the bound
+    ({"keys": {"sk-acme-0001": {"tenant": "acme", "request_per_s": 5}}},
+     r"key 'sk-a'\.\.\. \(tenant 'acme'\): unknown field 'request_per_s'"),
+    ({"keys": {"sk-acme-0001": "acme"}, "tenants": {"acme": {"l3_quota": 1}}},
+     "tenant 'acme': unknown field 'l3_quota'"),
+    ({"keys": {"sk-acme-0001": "acme"}, "limits": {}}, "unknown top-level field 'limits'"),
+    ({"keys": {}}, "'keys': expected a non-empty"), ({"tenants": {}}, "'keys': expected"),
+    ({"keys": {"sk-acme-0001": "acme"}, "tenants": {"zeta": {}}}, "'zeta': no key belongs"),
+    ({"keys": {"sk-acme-0001": "acme"}, "tenants": {"acme": 5}}, "'acme': expected a JSON"),
+    ({"keys": {"sk-acme-0001": {"tenant": "a", "requests_per_s": 0}}},
+     "requests_per_s: expected a number > 0, got 0"),
+    ({"keys": {"sk-acme-0001": {"tenant": "a", "tokens_per_min": 1.5}}},
+     "tokens_per_min: expected an integer >= 1"),
+    ({"keys": {"sk-acme-0001": {"tenant": "a", "tokens_per_min": True}}}, "tokens_per_min"),
+    ({"keys": {"sk-acme-0001": "a"}, "tenants": {"a": {"max_pinned_bytes": -1}}},
+     "'a': max_pinned_bytes: expected an integer >= 0, got -1"),
 ])
 def test_bad_key_files_name_the_problem(tmp_path: Path, keys: object, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        parse_keys(keys_file(tmp_path, keys))
+        parse_key_file(keys_file(tmp_path, keys))
 
 
 def test_an_unreadable_key_file_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="cannot read"):
-        parse_keys(tmp_path / "absent.json")
+        parse_key_file(tmp_path / "absent.json")
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ValueError, match="not JSON"):
-        parse_keys(tmp_path / "bad.json")
+        parse_key_file(tmp_path / "bad.json")
+
+
+def test_the_top_level_form_keeps_rates_per_key_and_quotas_per_tenant(tmp_path: Path) -> None:
+    path = keys_file(tmp_path, {
+        "keys": {"sk-acme-0001": {"tenant": "acme", "requests_per_s": 0.5,
+                                  "tokens_per_min": 600},
+                 "sk-acme-0002": "acme",
+                 "sk-ops-00003": {"tenant": "ops", "admin": True, "requests_per_s": None}},
+        "tenants": {"acme": {"l3_quota_bytes": 1 << 26, "max_pinned_bytes": 0}}})
+    parsed = parse_key_file(path)
+    assert parsed.keys["sk-acme-0001"] == Tenant("acme", rate=KeyRate(0.5, 600))
+    assert parsed.keys["sk-acme-0002"] == Tenant("acme")
+    assert parsed.keys["sk-ops-00003"] == Tenant("ops", admin=True)
+    assert parsed.tenants == {"acme": TenantLimits(1 << 26, 0)}
+    tenants = Tenants.from_file(path)
+    assert tenants.names == ("acme", "ops") and tenants.limits == parsed.tenants
+    limited, other = tenants.tenant("Bearer sk-acme-0001"), tenants.tenant("Bearer sk-acme-0002")
+    assert limited.rate == KeyRate(0.5, 600) and other.rate == KeyRate()
+    # one tenant, two keys, two buckets; the bucket's name is not the key
+    assert limited.key_id != other.key_id and len(limited.key_id) == 16
+    assert "sk-acme" not in limited.key_id
+    # the flat form is the top-level form's "keys" alone
+    flat = keys_file(tmp_path, {"sk-acme-0002": "acme"})
+    assert parse_key_file(flat).keys == {"sk-acme-0002": Tenant("acme")}
