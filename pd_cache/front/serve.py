@@ -12,7 +12,8 @@
 With an API-key file (``api_keys_file``, ``PD_CACHE_API_KEYS_FILE``) every ``/v1`` route
 needs ``Authorization: Bearer <key>`` and the namespace is derived from the key's tenant
 (``pd_cache.front.tenants``); without one the server is open (loopback only). At most
-``max_pending`` requests are admitted at once; beyond that, 429 with ``Retry-After``.
+``max_pending`` requests are admitted at once; beyond that, 429 with ``Retry-After``. Each
+key's rate limits and each tenant's usage metrics: ``pd_cache.front.guard``.
 Errors are OpenAI's shape (``pd_cache.front.http``). Streams are Server-Sent Events,
 one chunk per token as decode draws it (``PDCluster.stream``). A client that goes away,
 streaming or not, cancels its request: Serve cancels the handler's task, and the cluster
@@ -46,6 +47,7 @@ from pd_cache.core.request import DeadlineExceeded, Req, SamplingParams
 from pd_cache.core.wire import Completion
 from pd_cache.front import openai
 from pd_cache.front.app_args import AppArgs, IngressConfig
+from pd_cache.front.guard import TenantGuard
 from pd_cache.front.hf_tokenizer import tokenizer_for
 from pd_cache.front.http import HTTPError, check_rid, decode_json, read_body, value_error
 from pd_cache.front.memory import IdleTrim, malloc_trim
@@ -84,6 +86,7 @@ class PDCacheIngress:
         self.tenants = Tenants.from_file(keys) if keys else None
         if self.tenants is None:
             log.warning("no API keys: serving in open mode (clients choose their namespace)")
+        self.guard = TenantGuard(self.tenants, args.ingress.ingress_replicas)   # rates, usage
         # NOTE: a named cluster's actors are detached: a restarted replica attaches to them.
         self.cluster = PDCluster.start(args.cluster, name=args.ingress.cluster_name)
         self.model = args.cluster.model
@@ -156,6 +159,7 @@ class PDCacheIngress:
                                  body.cache_salt, body.extra_key, body.rid)
         with self._admitted():
             out = await self._complete(req)
+        self.guard.served(tenant, out)
         cached = dict(out.cached_tokens) if tenant.admin else \
             {"total": sum(out.cached_tokens.values())}
         return _json(200, {"rid": rid, "output_ids": out.output_ids,
@@ -178,9 +182,10 @@ class PDCacheIngress:
                                body.extra_key, body.rid, openai.client_names(body, chat))
         rid = openai.request_id(chat)
         if body.stream:
-            return self._sse(req, rid, chat, tenant.admin, body.include_usage, received_ns)
+            return self._sse(req, rid, chat, tenant, body.include_usage, received_ns)
         with self._admitted():
             out = await self._complete(req)
+        self.guard.served(tenant, out)
         text = self.tokenizer.decode(out.output_ids)
         return _json(200, openai.answer(rid, self.model, chat, text, out, tenant.admin,
                                         req.sampling.stop_token_ids))
@@ -221,6 +226,7 @@ class PDCacheIngress:
                  names: Mapping[str, str] | None = None) -> tuple[Req, str]:
         """The checked ``Req``; its namespace salt is the tenant's when keys are on. A
         refusal names the field as ``names`` say the client's body called it."""
+        self.guard.admit(tenant, len(ids) + max_new)   # the key's rate limits: 429
         tag = secrets.token_hex(8)
         shown = rid if rid is not None else f"http-{tag}"
         if self.tenants is not None:
@@ -255,26 +261,27 @@ class PDCacheIngress:
         except Exception as exc:  # noqa: BLE001  (a dead worker, a deadline, a failed task)
             raise _unavailable(req, exc) from None
 
-    def _sse(self, req: Req, rid: str, chat: bool, admin: bool, with_usage: bool,
+    def _sse(self, req: Req, rid: str, chat: bool, tenant: Tenant, with_usage: bool,
              received_ns: int) -> Any:
         from starlette.responses import StreamingResponse
 
         place = self._admitted()   # refused (429) before the stream starts, held until it ends
         hops = {"received_ns": received_ns}
-        return StreamingResponse(self._events(req, rid, chat, admin, with_usage, place, hops),
+        return StreamingResponse(self._events(req, rid, chat, tenant, with_usage, place, hops),
                                  media_type="text/event-stream")
 
-    async def _events(self, req: Req, rid: str, chat: bool, admin: bool, with_usage: bool,
+    async def _events(self, req: Req, rid: str, chat: bool, tenant: Tenant, with_usage: bool,
                       place: _Place, hops: dict[str, int]) -> AsyncIterator[str]:
         chunks, text = openai.Chunks(rid, self.model, chat), self.tokenizer.stream()
         with place:
             try:
                 async for item in self.cluster.stream(req):
                     if isinstance(item, Completion):
+                        self.guard.served(tenant, item)
                         yield chunks.token(text.flush(), None, openai.finish_reason(
                             item, req.sampling.stop_token_ids))
                         if with_usage:
-                            yield chunks.usage(item, admin, hops)
+                            yield chunks.usage(item, tenant.admin, hops)
                     else:
                         if "first_token_ns" not in hops:   # the overhead breakdown's
                             hops["first_token_ns"] = time.time_ns()

@@ -16,7 +16,7 @@ from typing import Any
 from pd_cache.core.vocab import Event, MissReason
 from pd_cache.metrics.http import MetricsServer, serve_http
 from pd_cache.metrics.instruments import _PromInstrument, _RayInstrument, resolve_exporter
-from pd_cache.metrics.spec import METRIC_NAMES, METRICS, amount, check_label
+from pd_cache.metrics.spec import METRIC_NAMES, METRICS, VOCABULARIES, amount, check_label
 
 
 class PDCacheMetrics:
@@ -26,9 +26,15 @@ class PDCacheMetrics:
     instruments live in ``registry`` (a new ``CollectorRegistry`` if omitted, so several
     instances never clash). Every method raises ``ValueError`` for a label value outside
     its vocabulary or a negative / non-finite amount, before recording anything.
+    ``tenants``: the tenant names of the API-key file, the only values of a ``tenant``
+    label (none by default: only the ingress of a server with keys records per tenant).
     """
 
-    def __init__(self, exporter: str = "auto", registry: Any = None) -> None:
+    def __init__(self, exporter: str = "auto", registry: Any = None,
+                 tenants: tuple[str, ...] = ()) -> None:
+        if not all(isinstance(t, str) and t for t in tenants):
+            raise ValueError(f"tenants: expected non-empty names, got {tenants!r}")
+        self._vocabularies = {**VOCABULARIES, "tenant": tuple(tenants)}
         self.exporter = resolve_exporter(exporter)
         if self.exporter == "prometheus":
             import prometheus_client as pc
@@ -46,7 +52,8 @@ class PDCacheMetrics:
     def _record(self, name: str, value: Any, field: str = "n", **labels: Any) -> None:
         spec = METRIC_NAMES[name]
         value = amount(spec, field, value)
-        checked = {key: check_label(spec, key, labels[key]) for key in spec.labels}
+        checked = {key: check_label(spec, key, labels[key], self._vocabularies)
+                   for key in spec.labels}
         self._instruments[name].record(value, checked)
 
     # -- requests and tokens ---------------------------------------------------------
@@ -74,6 +81,16 @@ class PDCacheMetrics:
 
     def observe_queue(self, seconds: float, role: str = "decode") -> None:
         self._record("pd_cache_queue_seconds", seconds, "seconds", role=role)
+
+    # -- tenants of the key file (the ingress) -----------------------------------------
+    def count_tenant_tokens(self, tenant: str, token_kind: str, n: int) -> None:
+        self._record("pd_cache_tenant_tokens_total", n, tenant=tenant, token_kind=token_kind)
+
+    def count_tenant_cached_tokens(self, tenant: str, n: int) -> None:
+        self._record("pd_cache_tenant_cached_tokens_total", n, tenant=tenant)
+
+    def count_rate_limited(self, tenant: str, n: int = 1) -> None:
+        self._record("pd_cache_tenant_rate_limited_total", n, tenant=tenant)
 
     # -- L3 ----------------------------------------------------------------------------
     def count_miss(self, reason: MissReason | str, n: int = 1) -> None:

@@ -4,12 +4,16 @@
 Grafana dashboard and the table in ``docs/metrics.md`` are checked against it. Label values
 come from fixed vocabularies (``VOCABULARIES``, built from ``pd_cache.core.vocab``) and
 anything else raises ``ValueError``, so a request id, a token, a raw salt or an adapter name
-can never become a label value (each would be a new time series per request).
+can never become a label value (each would be a new time series per request). The one
+vocabulary not fixed here is ``tenant``: empty by default, it holds the tenant names of the
+server's API-key file, given to the recorder that the ingress creates (``tenants=``), so
+its size is the key file's; a client's ``cache_salt`` or ``user`` never becomes a tenant.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from enum import Enum
 from typing import Any, NamedTuple
 
@@ -37,6 +41,7 @@ VOCABULARIES: dict[str, tuple[str, ...]] = {
     "token_kind": TOKEN_KINDS,
     "page_kind": PAGE_KINDS,
     "outcome": OUTCOMES,
+    "tenant": (),   # the key file's tenant names, per recorder (PDCacheMetrics(tenants=...))
 }
 
 # Seconds, fit for a small model on CPU and a large one on GPU alike. TTFT and E2E span a
@@ -120,6 +125,13 @@ METRICS: tuple[MetricSpec, ...] = (
        "handoff and decode.", TTFT_BUCKETS),
     _h("pd_cache_queue_seconds", ("role",), "Time a request waited for a worker's batch.",
        QUEUE_BUCKETS),
+    _c("pd_cache_tenant_tokens_total", ("tenant", "token_kind"),
+       "Tokens of a key file's tenant, counted by the ingress: prompt (of requests served) "
+       "and generated."),
+    _c("pd_cache_tenant_cached_tokens_total", ("tenant",),
+       "Prompt tokens of a key file's tenant found in a cache tier (its own reuse only)."),
+    _c("pd_cache_tenant_rate_limited_total", ("tenant",),
+       "Requests of a key file's tenant refused (429) by its key's rate limits."),
 )
 METRIC_NAMES: dict[str, MetricSpec] = {spec.name: spec for spec in METRICS}
 RAY_PREFIX = "ray_"
@@ -140,12 +152,13 @@ def markdown_table() -> str:
     return "\n".join(rows)
 
 
-def check_label(spec: MetricSpec, key: str, value: Any) -> str:
+def check_label(spec: MetricSpec, key: str, value: Any,
+                vocabularies: Mapping[str, tuple[str, ...]] = VOCABULARIES) -> str:
     """The label value as text, or ``ValueError`` if it is outside its vocabulary."""
     text = value.value if isinstance(value, Enum) else value
-    if text not in VOCABULARIES[key]:
+    if text not in vocabularies[key]:
         raise ValueError(f"{spec.name}: label {key}={value!r} is not one of "
-                         f"{list(VOCABULARIES[key])}")
+                         f"{list(vocabularies[key])}")
     return text
 
 

@@ -202,7 +202,8 @@ def test_dashboard_queries_only_exported_metrics():
     # Every topic the issue asks for has a panel.
     topics = ["cached_tokens", "storage_misses", "prefetch_bytes", "backup_bytes",
               "handoff_seconds", "pool_used_pages", "pool_capacity_pages", "ttft_seconds",
-              "inter_token_seconds", "offload_pages"]
+              "inter_token_seconds", "offload_pages", "tenant_tokens", "tenant_cached_tokens",
+              "tenant_rate_limited"]
     for topic in topics:
         assert any(topic in name for name in used), topic
 

@@ -41,7 +41,7 @@ def value(samples: Samples, name: str, **labels: str) -> float:
 
 @pytest.fixture
 def served() -> Iterator[tuple[PDCacheMetrics, str]]:
-    metrics = PDCacheMetrics("prometheus")
+    metrics = PDCacheMetrics("prometheus", tenants=("acme",))
     server = metrics.serve()
     assert server.host == "127.0.0.1" and server.port > 0
     yield metrics, server.url
@@ -86,6 +86,9 @@ def test_every_instrument_is_served_over_http(served):
     metrics.observe_e2e(0.5)
     metrics.observe_queue(0.002, "decode")
     metrics.count_prefix_queries(96)
+    metrics.count_tenant_tokens("acme", "prompt", 30)
+    metrics.count_tenant_cached_tokens("acme", 16)
+    metrics.count_rate_limited("acme")
 
     got = scrape(url)
     names = {name for name, _ in got}
@@ -123,10 +126,14 @@ def test_every_instrument_is_served_over_http(served):
         assert value(got, "pd_cache_ttft_seconds_bucket", role="decode", le=le) == count, le
     assert math.isclose(value(got, "pd_cache_ttft_seconds_sum", role="decode"), sum(ttft))
     assert value(got, "pd_cache_inter_token_seconds_count", role="decode") == 1
+    assert value(got, "pd_cache_tenant_tokens_total", tenant="acme", token_kind="prompt") == 30
+    assert value(got, "pd_cache_tenant_cached_tokens_total", tenant="acme") == 16
+    assert value(got, "pd_cache_tenant_rate_limited_total", tenant="acme") == 1
 
 
 @pytest.mark.parametrize("call, named", [
     (lambda m: m.count_request("router"), "router"),
+    (lambda m: m.count_rate_limited("tenant-b"), "tenant-b"),   # not in the key file
     (lambda m: m.count_request("prefill", namespace_kind="tenant-a"), "tenant-a"),
     (lambda m: m.count_tokens("prefill", "rid-7f3a", 4), "rid-7f3a"),
     (lambda m: m.count_cached_tokens("gpu", 16), "gpu"),
