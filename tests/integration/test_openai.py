@@ -1,6 +1,7 @@
 """The OpenAI-compatible front driven by the real ``openai`` client, with API keys: two
 tenants, an admin key, streaming and not, usage with cached tokens, errors in OpenAI's
-shape, backpressure. Real HTTP on 127.0.0.1."""
+shape, backpressure, rate limits per key and usage per tenant on the Ray metrics port.
+Real HTTP on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -22,12 +23,17 @@ openai = pytest.importorskip("openai")
 serve = pytest.importorskip("ray.serve")
 ray = pytest.importorskip("ray")
 
+from tests.integration.metrics_port import samples  # noqa: E402
 from tests.integration.serving import running_app  # noqa: E402  (needs ray[serve])
 
 APP = "pd-cache-openai"
 MODEL = ModelConfig.preset("tiny")
-KEYS = {"sk-acme-0001": "acme", "sk-zeta-0002": "zeta",
-        "sk-ops-00003": {"tenant": "ops", "admin": True}}
+# NOTE: the key file's top-level form; "slow" has two keys, each with its own rate limits.
+KEYS = {"keys": {"sk-acme-0001": "acme", "sk-zeta-0002": "zeta",
+                 "sk-ops-00003": {"tenant": "ops", "admin": True},
+                 "sk-slow-0004": {"tenant": "slow", "requests_per_s": 0.01},
+                 "sk-slow-0005": {"tenant": "slow", "tokens_per_min": 40}},
+        "tenants": {"slow": {"l3_quota_bytes": 1 << 20, "max_pinned_bytes": 0}}}
 
 
 @pytest.fixture(scope="module")
@@ -166,6 +172,56 @@ def test_beyond_max_pending_is_429_with_retry_after(url: str) -> None:
         except openai.RateLimitError:
             time.sleep(0.2)
     raise AssertionError("places were not given back after the streams closed")
+
+
+def test_a_key_over_its_rate_gets_429_with_retry_after_and_the_others_are_served(
+        url: str, ray_cluster: Any) -> None:
+    slow, acme = client(url, "sk-slow-0004"), client(url, "sk-acme-0001")
+    served = slow.completions.create(model="tiny", prompt=PROMPT, max_tokens=3)
+    with pytest.raises(openai.RateLimitError) as err:   # 0.01 requests/s: one, then wait
+        slow.completions.create(model="tiny", prompt=PROMPT, max_tokens=3)
+    headers = err.value.response.headers
+    assert 1 <= int(headers["retry-after"]) <= 100 and int(headers["retry-after-ms"]) > 0
+    assert headers["x-ratelimit-limit-requests"] == "1"
+    assert headers["x-ratelimit-remaining-requests"] == "0"
+    assert headers["x-ratelimit-reset-requests"].endswith("s")
+    assert err.value.body["code"] == "rate_limit_exceeded"
+    assert err.value.response.json()["error"]["type"] == "rate_limit_error"
+    with pytest.raises(openai.RateLimitError):           # a stream is refused before it starts
+        slow.chat.completions.create(model="tiny", max_tokens=2, stream=True,
+                                     messages=[{"role": "user", "content": "hi"}])
+    # the others are served meanwhile: another tenant, and the same tenant's other key
+    assert acme.completions.create(model="tiny", prompt=PROMPT, max_tokens=3) \
+        .choices[0].model_extra["token_ids"] == served.choices[0].model_extra["token_ids"]
+    budget = client(url, "sk-slow-0005")                 # 40 tokens a minute
+    small = budget.completions.create(model="tiny", prompt="hello", max_tokens=2)
+    with pytest.raises(openai.RateLimitError) as err:    # prompt + max_tokens > 40: never
+        budget.completions.create(model="tiny", prompt="x" * 39, max_tokens=2)
+    assert err.value.body["code"] == "request_too_large" and "40 tokens" in err.value.message
+    assert "retry-after" not in err.value.response.headers
+    # usage by tenant, exported by the ingress replica: the two served requests, three 429s
+    want = {("tokens", "prompt"): served.usage.prompt_tokens + small.usage.prompt_tokens,
+            ("tokens", "generated"): served.usage.completion_tokens
+            + small.usage.completion_tokens, ("rate_limited", ""): 3}
+    assert tenant_counts(ray_cluster.metrics_port, "slow", want) == want
+
+
+def tenant_counts(port: int, tenant: str, want: dict[tuple[str, str], float]) -> dict[
+        tuple[str, str], float]:
+    """``pd_cache_tenant_*_total`` of ``tenant`` at the Ray metrics port, by (what, token
+    kind), once they equal ``want`` or after 30 s."""
+    deadline = time.monotonic() + 30
+    while True:
+        got: dict[tuple[str, str], float] = {}
+        for s in samples(port):
+            if s.labels.get("tenant") == tenant and s.name.endswith("_total"):
+                what = s.name.removeprefix("ray_pd_cache_tenant_").removesuffix("_total")
+                key = (what, s.labels.get("token_kind", ""))
+                got[key] = got.get(key, 0) + s.value
+        got = {k: v for k, v in got.items() if k in want}
+        if got == want or time.monotonic() > deadline:
+            return got
+        time.sleep(0.5)
 
 
 def test_admin_drop_caches_empties_the_cache_and_needs_an_admin_key(url: str) -> None:
