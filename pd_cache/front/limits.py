@@ -68,7 +68,8 @@ class KeyBuckets:
 
     def __init__(self, rate: KeyRate, replicas: int, now: float) -> None:
         self.rate = rate
-        self.requests = self.tokens = None
+        self.requests: TokenBucket | None = None
+        self.tokens: TokenBucket | None = None
         if rate.requests_per_s is not None:
             share = rate.requests_per_s / replicas
             self.requests = TokenBucket(max(1.0, share), share, now)
