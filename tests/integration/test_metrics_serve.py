@@ -39,11 +39,11 @@ VOCAB = ModelConfig.preset("tiny").vocab_size
 
 
 @pytest.fixture(scope="module")
-def url(ray_cluster: Any) -> Iterator[str]:
+def url(serve_url: str) -> Iterator[str]:
     from pd_cache import PDCluster
 
     try:
-        with running_app(ARGS, APP) as url:
+        with running_app(serve_url, ARGS, APP) as url:
             yield url
     finally:
         PDCluster.destroy(NAME)
