@@ -13,6 +13,11 @@ runtime_env of ``deployments/serve_config.yaml``), then:
    and as many that send nothing; after ``--slow-wait-s`` it counts those the server still
    holds open, and times one ordinary request sent meanwhile.
 
+Each of ``--variants`` runs on a cluster of its own, one after the other in one run: the job
+env ``pd-cache serve`` gives (``serve_config``) and the same with one thing changed
+(``VARIANTS``), so that what each setting buys is measured side by side; the first named is
+reported as ``burst_rss_growth_mib`` (ingress and proxy) and gets the slow clients.
+
 Fixed seed; bounded in count and time; writes benchmarks/results/burst.json.
 """
 
@@ -38,7 +43,19 @@ from pd_cache.front.memory import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 SEED = 2024
 RESULTS = Path(__file__).parent / "results" / "burst.json"
 SERVE_CONFIG = Path(__file__).parents[1] / "deployments" / "serve_config.yaml"
-PROCESSES = {"ingress": "ray::ServeReplica:burst:PDCacheIngress", "proxy": "ray::ProxyActor"}
+PROCESSES = {"ingress": "ray::ServeReplica:burst:PDCacheIngress", "proxy": "ray::ProxyActor",
+             "decode": "ray::DecodeActor"}
+# The job environments compared, each on a cluster of its own: the runtime_env that
+# ``pd-cache serve`` gives the job (serve_config.yaml's) with these env_vars changed (None:
+# removed). The first one named by --variants is the one reported.
+VARIANTS: dict[str, dict[str, str | None]] = {
+    "serve_config": {},
+    "pymalloc": {"PYTHONMALLOC": None},   # CPython's allocator in the front
+    "before": {"PYTHONMALLOC": None,      # and torch in every process: the env before
+               "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"},
+    "malloc_arena_max_2": {"PYTHONMALLOC": None, "MALLOC_ARENA_MAX": "2"},
+}
+DEFAULT_VARIANTS = "serve_config,pymalloc,before"
 ARGS = {"model": "tiny", "page_size": 4, "num_prefill": 1, "num_decode": 1, "num_storage": 0,
         "cluster_name": None}
 
@@ -142,14 +159,63 @@ async def _still_open(reader: asyncio.StreamReader) -> bool:
         return False
 
 
-def proxy_trims(pid: int) -> bool:
-    """The proxy runs pd-cache's idle trim (``PROXY_CALLBACK`` is in its environment)."""
+def environ(pid: int) -> dict[str, str]:
     with open(f"/proc/{pid}/environ", "rb") as f:
-        return f"{PROXY_CALLBACK_ENV}={PROXY_CALLBACK}".encode() in f.read().split(b"\0")
+        pairs = [x.decode(errors="replace").partition("=") for x in f.read().split(b"\0") if x]
+    return {k: v for k, _, v in pairs}
 
 
 def sample(pids: dict[str, int]) -> dict[str, float]:
     return {name: round(rss_mib(pid), 1) for name, pid in pids.items()}
+
+
+def variant_env(base: dict[str, Any] | None, changes: dict[str, str | None]) -> dict[str, Any]:
+    """``base`` (a runtime_env) with ``changes`` made to its env_vars (``None``: removed)."""
+    env = {**(base or {})}
+    env_vars = {**env.get("env_vars", {}), **changes}
+    env["env_vars"] = {k: v for k, v in env_vars.items() if v is not None}
+    return env
+
+
+def run_variant(env: dict[str, Any], args: argparse.Namespace,
+                slow: bool) -> dict[str, Any]:
+    """One burst (then the slow clients if ``slow``) on a fresh cluster whose job runs in
+    ``env``: RSS before, right after, ``--settle-s`` later."""
+    from ray import serve
+
+    from pd_cache.front.serve import app_builder
+
+    port = free_port()
+    with ray_session(None, runtime_env=env):
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(app_builder(ARGS), name="burst", route_prefix="/")
+        url = f"http://127.0.0.1:{port}"
+        pids = find_pids()
+        envs = {name: environ(pid) for name, pid in pids.items()}
+        trims = envs["proxy"].get(PROXY_CALLBACK_ENV) == PROXY_CALLBACK
+        asyncio.run(burst(url, argparse.Namespace(**{**vars(args), "burst": 32,
+                                                     "requests": 64})))   # warm both up
+        before = sample(pids)
+        load = asyncio.run(burst(url, args))
+        after = sample(pids)
+        time.sleep(args.settle_s)
+        settled = sample(pids)
+        torch_loaded = {name: imports_torch(pid) for name, pid in pids.items()}
+        slow_result = asyncio.run(slow_clients(url, port, args)) if slow else {}
+        serve.shutdown()
+    growth = {name: round(settled[name] - before[name], 1) for name in pids}
+    return {"env_vars": env["env_vars"],
+            "rss_mib": {"before": before, "after_burst": after, "settled": settled},
+            "burst_rss_growth_mib": growth, "proxy_idle_trim": trims,
+            "pythonmalloc": {name: env.get("PYTHONMALLOC", "pymalloc")
+                             for name, env in envs.items()},
+            "torch_loaded": torch_loaded, **load, **slow_result}
+
+
+def imports_torch(pid: int) -> bool:
+    """Whether the process has torch's C library mapped (it imported torch)."""
+    with open(f"/proc/{pid}/maps") as f:
+        return any("libtorch" in line for line in f)
 
 
 def main() -> None:
@@ -159,42 +225,39 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--settle-s", type=float, default=60.0)
     parser.add_argument("--request-timeout-s", type=float, default=120.0)
-    parser.add_argument("--slow", type=int, default=200)
+    parser.add_argument("--slow", type=int, default=200, help="0: no slow clients")
     parser.add_argument("--slow-wait-s", type=float, default=30.0)
+    parser.add_argument("--variants", default=DEFAULT_VARIANTS,
+                        help=f"comma-separated, of {sorted(VARIANTS)}; the first is reported "
+                             "as burst_rss_growth_mib and gets the slow clients")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    for name in ("burst", "requests", "concurrency", "slow"):
+    for name in ("burst", "requests", "concurrency"):
         if not 0 < getattr(args, name) <= 5000:
             parser.error(f"--{name}: 1-5000")
+    if not 0 <= args.slow <= 5000:
+        parser.error("--slow: 0-5000")
     if not 0 <= args.settle_s <= 600 or not 0 < args.slow_wait_s <= 300:
         parser.error("--settle-s: 0-600, --slow-wait-s: 1-300")
-    from ray import serve
-
-    from pd_cache.front.serve import app_builder
-
-    port = free_port()
-    with ray_session(None, runtime_env=job_runtime_env(load_serve_config(SERVE_CONFIG))):
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(app_builder(ARGS), name="burst", route_prefix="/")
-        url = f"http://127.0.0.1:{port}"
-        pids = find_pids()
-        trims = proxy_trims(pids["proxy"])
-        asyncio.run(burst(url, argparse.Namespace(**{**vars(args), "burst": 32,
-                                                     "requests": 64})))   # warm both up
-        before = sample(pids)
-        load = asyncio.run(burst(url, args))
-        after = sample(pids)
-        time.sleep(args.settle_s)
-        settled = sample(pids)
-        slow = asyncio.run(slow_clients(url, port, args))
-        serve.shutdown()
-    growth = {name: round(settled[name] - before[name], 1) for name in pids}
-    result = {"config": {**vars(args), "seed": SEED, "app_args": ARGS,
-                         "python": platform.python_version(), "cpus": os.cpu_count()},
-              "rss_mib": {"before": before, "after_burst": after, "settled": settled},
-              "burst_rss_growth_mib": growth, "goal_mib": 30, "proxy_idle_trim": trims,
-              **load, **slow}
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    names = args.variants.split(",")
+    if not names or set(names) - set(VARIANTS):
+        parser.error(f"--variants: of {sorted(VARIANTS)}")
+    base = job_runtime_env(load_serve_config(SERVE_CONFIG))
+    runs = {name: run_variant(variant_env(base, VARIANTS[name]), args, slow=i == 0 and
+                              args.slow > 0) for i, name in enumerate(names)}
+    first = runs[names[0]]
+    result = {"config": {**{k: v for k, v in vars(args).items() if k != "out"}, "seed": SEED,
+                         "app_args": ARGS, "python": platform.python_version(),
+                         "cpus": os.cpu_count()},
+              "variant": names[0],
+              "burst_rss_growth_mib": {p: first["burst_rss_growth_mib"][p]
+                                       for p in ("proxy", "ingress")},
+              "goal_mib": 30, "variants": runs,
+              "growth_vs_first": {name: {p: round(g - first["burst_rss_growth_mib"][p], 1)
+                                         for p, g in run["burst_rss_growth_mib"].items()}
+                                  for name, run in runs.items()}}
+    args.out.parent.mkdir(exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 
 

@@ -10,7 +10,7 @@ The throwaway node's address is loopback (``LOOPBACK``, ``loopback_node``), and 
 binds every HTTP server it runs there: the metrics export port, the autoscaler monitor's
 metrics, the dashboard agent, the runtime-env agent and (with ``--dashboard``) the dashboard
 and its metrics. Those speak plain HTTP without the token, so none of them may listen on
-another address; ``tests/integration/test_ports.py`` checks it.
+another address; ``tests/integration/test_serve.py`` checks it.
 """
 
 from __future__ import annotations

@@ -104,7 +104,8 @@ class PDCacheMetrics:
         several are told apart; it is not a label. A count lower than last time means that
         Stats started again (an actor restart), so its whole value is new, as Prometheus
         treats a counter reset. ``miss/<reason>`` also counts in the misses by reason; a
-        miss without a reason counts only as an event. Validates the whole snapshot first.
+        miss without a reason counts only as an event; ``refused/<reason>`` also counts in
+        the refusals by reason. Validates the whole snapshot first.
         """
         spec = METRIC_NAMES["pd_cache_storage_events_total"]
         check_label(spec, "backend", backend)
@@ -118,13 +119,16 @@ class PDCacheMetrics:
             self._record("pd_cache_storage_events_total", delta, backend=backend, event=event)
             if event == Event.MISS.value and reason:
                 self.count_miss(reason, delta)
+            elif event == Event.REFUSED.value and reason:
+                self._record("pd_cache_storage_refusals_total", delta, backend=backend,
+                             reason=reason)
 
     @staticmethod
     def _parse_stat(key: str, n: Any) -> tuple[str, str, str, int]:
         spec = METRIC_NAMES["pd_cache_storage_events_total"]
         event, _, reason = key.partition("/")
         check_label(spec, "event", event)
-        if event == Event.MISS.value and reason:
+        if event in (Event.MISS.value, Event.REFUSED.value) and reason:
             check_label(METRIC_NAMES["pd_cache_storage_misses_total"], "reason", reason)
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"snapshot[{key!r}]: expected an int >= 0, got {n!r}")

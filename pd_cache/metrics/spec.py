@@ -100,6 +100,9 @@ METRICS: tuple[MetricSpec, ...] = (
        "L3 pages that could not be used, by reason."),
     _c("pd_cache_storage_events_total", ("backend", "event"),
        "L3 page events (hit, miss, stored, evicted, refused, verification_failed)."),
+    _c("pd_cache_storage_refusals_total", ("backend", "reason"),
+       "L3 pages a shard refused to store or serve, by reason (disk_full: the disk's "
+       "free-space reserve)."),
     _c("pd_cache_prefetch_pages_total", _XFER, "Pages prefetched L3 -> host."),
     _c("pd_cache_prefetch_bytes_total", _XFER, "Bytes prefetched L3 -> host."),
     _h("pd_cache_prefetch_seconds", _XFER,

@@ -28,8 +28,8 @@ log = logging.getLogger(__name__)
 
 # NOTE: pages that leave the actor by value travel as uint8 numpy views (see
 # PageRecord.__reduce__), which Ray moves zero-copy; the variable extends that to any bare
-# tensor an actor returns.
-ACTOR_ENV = {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}
+# tensor an actor returns. PYTHONMALLOC: as the workers (pd_cache/worker/actors.py).
+ACTOR_ENV = {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1", "PYTHONMALLOC": "pymalloc"}
 
 
 class StorageTier:

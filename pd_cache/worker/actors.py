@@ -27,7 +27,11 @@ from pd_cache.core.request import Req
 from pd_cache.core.wire import DecodeInfo, PrefillInfo
 from pd_cache.worker.workers import DecodeWorker, PrefillResult, PrefillWorker
 
-ACTOR_ENV = {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1", "OMP_NUM_THREADS": "1"}
+# NOTE: PYTHONMALLOC: the HTTP front runs with glibc's malloc (deployments/serve_config.yaml:
+# a burst's memory can then be trimmed); the workers keep CPython's own allocator, with which
+# their speed is measured (an actor's runtime_env wins over the env it inherits).
+ACTOR_ENV = {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1", "OMP_NUM_THREADS": "1",
+             "PYTHONMALLOC": "pymalloc"}
 DECODE_CONCURRENCY = 64   # decode calls one batching actor takes in at once
 ActorOptions = dict[str, Any]
 

@@ -4,20 +4,29 @@ Every cluster the tests start is a throwaway one that admits only its own proces
 fresh token per pytest session (``cluster_token``), in the environment of every Ray process
 they start, the multi-node module's cluster included. The session's cluster is started as a
 pd-cache command starts its own (``local_cluster_options`` inside ``loopback_node``): every
-HTTP port on loopback, which ``test_ports.py`` checks.
+HTTP port on loopback, which ``test_serve.py`` checks. Serve's controller and proxy start
+once on it (``serve_url``); each Serve module runs its app there and deletes it when done.
 """
 
 from __future__ import annotations
 
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+import yaml
 
 from pd_cache.app.session import ClusterToken, cluster_token, local_cluster_options, loopback_node
+from tests.integration.serving import free_port
 
 ray = pytest.importorskip("ray")
+
+# The job env `pd-cache serve` gives its cluster (deployments/serve_config.yaml's runtime_env):
+# the workers and L3 shards add RAY_ENABLE_ZERO_COPY_TORCH_TENSORS in their own.
+SERVE_CONFIG = Path(__file__).resolve().parents[2] / "deployments" / "serve_config.yaml"
+JOB_ENV = yaml.safe_load(SERVE_CONFIG.read_text())["applications"][0]["runtime_env"]
 
 
 class RayCluster(NamedTuple):
@@ -60,9 +69,20 @@ def ray_cluster(ray_token: ClusterToken) -> Iterator[RayCluster]:
         info = ray.init(
             **options,
             _metrics_export_port=port,
-            runtime_env={"env_vars": {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1",
-                                      "OMP_NUM_THREADS": "1"}},
+            runtime_env=JOB_ENV,
             logging_level="WARNING",
         )
         yield RayCluster(address=info.address_info["gcs_address"], metrics_port=port)
         ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def serve_url(ray_cluster: RayCluster) -> Iterator[str]:
+    """Serve on the session's cluster, started once: its proxy on 127.0.0.1 at a free port."""
+    serve = pytest.importorskip("ray.serve")
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield f"http://127.0.0.1:{port}"
+    # NOTE: a multinode module may have ended the session's cluster already (and Serve with it)
+    if ray.is_initialized() and ray.get_runtime_context().gcs_address == ray_cluster.address:
+        serve.shutdown()

@@ -1,5 +1,6 @@
-"""Reading the Ray metrics port in a test: pd-cache's samples, and the series the Grafana
-dashboard queries that some processes do not export yet."""
+"""Reading the Ray metrics port in a test: pd-cache's samples, the series the Grafana
+dashboard queries that some processes do not export yet, and a refusal to feed the
+refusals panel."""
 
 from __future__ import annotations
 
@@ -10,9 +11,13 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from pd_cache.core.hashing import DIGEST_SIZES, page_hashes
 from pd_cache.metrics import METRICS, RAY_PREFIX
+from pd_cache.storage import PoolTransfer
+from pd_cache.storage.record import make_record
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "k8s" / "grafana" / "pd-cache-dashboard.json"
 
@@ -44,3 +49,15 @@ def missing_series(port: int, workers: set[str]) -> set[str]:
         if not missing or time.monotonic() > deadline:
             return missing
         time.sleep(0.5)
+
+
+def refuse_a_foreign_record(shard: Any, algo: str = "xxh3_128") -> list[list[bool]]:
+    """Offer the L3 ``shard`` (an actor) a well-formed page of another model: it must refuse
+    it (``refused/verification_failed``). The acks it returns."""
+    import ray
+
+    prior = bytes(DIGEST_SIZES[algo])
+    (name,) = page_hashes([7], 1, prior=prior, algo=algo)
+    record = make_record(name, prior, [7], {"kv": torch.zeros(2)}, fingerprint="another-model",
+                         algo=algo)
+    return ray.get(shard.batch_set_v2.remote([PoolTransfer("kv", [name], [record])]))

@@ -1,4 +1,5 @@
-"""Running the Serve app in a test: on 127.0.0.1, a free port, removed when done."""
+"""Running the Serve app in a test: on the session's Serve instance (the ``serve_url``
+fixture: one controller and proxy on 127.0.0.1 for the whole session), removed when done."""
 
 from __future__ import annotations
 
@@ -15,17 +16,15 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_app(args: Mapping[str, Any], name: str) -> Iterator[str]:
-    """The pd-cache app built from ``args``, served as ``name``; yields its base URL."""
+def running_app(serve_url: str, args: Mapping[str, Any], name: str) -> Iterator[str]:
+    """The pd-cache app built from ``args``, served as ``name`` at ``serve_url`` (the
+    session's Serve proxy); yields that URL. Deleted on the way out, its replicas stopped."""
     from ray import serve
 
     from pd_cache.front.serve import app_builder
 
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
         serve.run(app_builder(dict(args)), name=name, route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
+        yield serve_url
     finally:
         serve.delete(name)
-        serve.shutdown()

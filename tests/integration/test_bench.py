@@ -99,7 +99,7 @@ def test_local_target_open_loop_matches_the_model_and_the_servers_counters(
 
 
 def test_http_target_through_the_openai_front_with_tenant_keys(
-        ray_cluster: Any, tmp_path: Path) -> None:
+        ray_cluster: Any, serve_url: str, tmp_path: Path) -> None:
     from tests.integration.serving import running_app
 
     keys = tmp_path / "keys.json"
@@ -109,7 +109,7 @@ def test_http_target_through_the_openai_front_with_tenant_keys(
             "num_storage": 1, "device_pages": 64, "host_pages": 128, "cluster_name": None,
             "api_keys_file": str(keys), "metrics_interval_s": 1.0}
     workload, warmup = chat(seed=8), chat(seed=9)
-    with running_app(args, "pd-cache-bench") as url:
+    with running_app(serve_url, args, "pd-cache-bench") as url:
         target = HTTPTarget(url, api_keys=["sk-bench-a", "sk-bench-b"],
                             admin_key="sk-bench-ops")
         server = Server(target, export_interval_s=2.5,
@@ -136,8 +136,9 @@ def test_the_command_compares_cache_on_and_off_on_the_same_arrivals(tmp_path: Pa
     argv = [sys.executable, "-m", "pd_cache.app.bench", "--model", "tiny", "--tenants", "2",
             "--users", "2", "--rounds", "2", "--system-len", "32", "--user-tokens", "8",
             "--output-len", "4", "--page-size", "4", "--num-prefill", "1", "--num-decode",
-            "1", "--num-storage", "1", "--request-rate", "20", "--compare-no-cache",
-            "--warmup-requests", "2", "--no-progress", "--output-dir", str(out)]
+            "1", "--num-storage", "0", "--request-rate", "20", "--compare-no-cache",
+            "--warmup-requests", "2", "--no-progress", "--no-server-metrics",
+            "--output-dir", str(out)]   # the server's counters: the LocalTarget test above
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -25,7 +25,7 @@ from pd_cache.cluster.pd_cluster import PDCluster
 from pd_cache.core.cluster_config import ClusterConfig
 from pd_cache.core.request import Req
 from pd_cache.model.model import Model, reference_generate
-from tests.integration.metrics_port import missing_series, samples
+from tests.integration.metrics_port import missing_series, refuse_a_foreign_record, samples
 
 ray = pytest.importorskip("ray")
 
@@ -140,6 +140,11 @@ def test_l3_reuse_and_a_corrupted_record_reach_the_metrics_port(cluster: PDClust
                worker_id(tier), failed)
     assert got == failed > 0
 
+    # Another model's page offered to the shard is refused, and counted by reason.
+    assert refuse_a_foreign_record(tier) == [[False]]
+    assert poll(port, "ray_pd_cache_storage_refusals_total", ("reason", "verification_failed"),
+                worker_id(tier), 1) == 1
+
     # Every series the dashboard queries is exported by this cluster's processes, and the
     # counters equal what the workload counted, each in the process that did the work.
     workers = {worker_id(a) for a in [*cluster.prefill, *cluster.decode, tier]}
@@ -188,5 +193,6 @@ def test_no_dashboard_series_goes_missing_across_a_storage_restart(cluster: PDCl
                   max_new_tokens=NEW_TOKENS)
         cluster.generate(req, prefill_worker=worker)
         cluster.flush()
+    assert refuse_a_foreign_record(tier) == [[False]]   # counted by the new process too
     workers = {worker_id(a) for a in [*cluster.prefill, *cluster.decode, tier]}
     assert not missing_series(ray_cluster.metrics_port, workers)

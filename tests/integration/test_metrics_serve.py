@@ -24,7 +24,11 @@ from pd_cache.metrics import RAY_PREFIX
 serve = pytest.importorskip("ray.serve")
 ray = pytest.importorskip("ray")
 
-from tests.integration.metrics_port import missing_series, samples  # noqa: E402
+from tests.integration.metrics_port import (  # noqa: E402
+    missing_series,
+    refuse_a_foreign_record,
+    samples,
+)
 from tests.integration.serving import running_app  # noqa: E402  (needs ray[serve])
 
 NAME, APP = "pd-cache-metrics", "pd-cache-metrics-app"
@@ -35,11 +39,11 @@ VOCAB = ModelConfig.preset("tiny").vocab_size
 
 
 @pytest.fixture(scope="module")
-def url(ray_cluster: Any) -> Iterator[str]:
+def url(serve_url: str) -> Iterator[str]:
     from pd_cache import PDCluster
 
     try:
-        with running_app(ARGS, APP) as url:
+        with running_app(serve_url, ARGS, APP) as url:
             yield url
     finally:
         PDCluster.destroy(NAME)
@@ -91,6 +95,7 @@ def test_every_dashboard_series_is_fed_through_the_serve_app(url: str,
     again = wave(url, prompts)
     storage = sum(a["pd_cache"]["cached_tokens"]["storage"] for a in again)
     assert storage > 0, again                          # the restarted worker read L3
+    assert refuse_a_foreign_record(actor("storage", 0)) == [[False]]   # refusals panel
     port = ray_cluster.metrics_port
     assert not missing_series(port, worker_ids())
     assert any(s.name == RAY_PREFIX + "pd_cache_prefetch_pages_total" for s in samples(port))

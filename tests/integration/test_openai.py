@@ -37,13 +37,13 @@ KEYS = {"keys": {"sk-acme-0001": "acme", "sk-zeta-0002": "zeta",
 
 
 @pytest.fixture(scope="module")
-def url(ray_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def url(serve_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     keys = tmp_path_factory.mktemp("keys") / "keys.json"
     keys.write_text(json.dumps(KEYS))
     args = {"model": "tiny", "page_size": 4, "num_prefill": 1, "num_decode": 1,
             "num_storage": 1, "device_pages": 64, "host_pages": 128, "cluster_name": None,
             "api_keys_file": str(keys), "max_pending": 3}
-    with running_app(args, APP) as url:
+    with running_app(serve_url, args, APP) as url:
         yield url
     secret = Path(str(keys) + ".secret")
     assert secret.stat().st_mode & 0o777 == 0o600    # created private on first start

@@ -1,7 +1,9 @@
 """The Serve application on the session's Ray cluster, over real HTTP on 127.0.0.1.
 
 Good requests must produce what the model produces with no cache at all; bad ones get
-400 (413 for the body) naming the field; a dead worker gets 503, not a hang.
+400 (413 for the body) naming the field; a dead worker gets 503, not a hang. The session's
+cluster, started as every pd-cache command starts its own, opens no HTTP port beyond
+loopback with this app on it (``pd-cache serve --dashboard``: ``test_auth.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ serve = pytest.importorskip("ray.serve")
 ray = pytest.importorskip("ray")
 
 from pd_cache.front.serve import AppArgs, app_builder  # noqa: E402  (needs ray[serve])
-from tests.integration.serving import free_port  # noqa: E402
+from tests.integration.listening import descendants, http_listeners  # noqa: E402
+from tests.integration.serving import running_app  # noqa: E402
 
 SERVE_CONFIG = Path(__file__).resolve().parents[2] / "deployments" / "serve_config.yaml"
 ARGS = {"model": "tiny", "page_size": 4, "num_prefill": 2, "num_decode": 1,
@@ -57,16 +60,11 @@ class Server(NamedTuple):
 
 
 @pytest.fixture(scope="module")
-def server(ray_cluster: Any) -> Iterator[Server]:
-    port = free_port()
+def server(ray_cluster: Any, serve_url: str) -> Iterator[Server]:
     before = _alive_actors("DecodeActor")
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    try:
-        serve.run(app_builder(ARGS), name=APP, route_prefix="/")
+    with running_app(serve_url, ARGS, APP) as url:
         ids = [aid for aid in _alive_actors("DecodeActor") if aid not in before]
-        yield Server(f"http://127.0.0.1:{port}", ids, ray_cluster.metrics_port)
-    finally:
-        serve.shutdown()
+        yield Server(url, ids, ray_cluster.metrics_port)
 
 
 @pytest.fixture(scope="module")
@@ -254,6 +252,18 @@ def test_ids_are_random_and_no_error_counts_requests(server: Server) -> None:
         rid = re.search(r"rid='([^']*)'", answer["error"]["message"]).group(1)
         named.append(number(rid, r"http-([0-9a-f]{16})"))
     assert far_apart(named)
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="Linux /proc")
+def test_the_session_cluster_opens_no_http_port_beyond_loopback(server: Server) -> None:
+    """Every TCP socket the cluster's processes listen on gets a plain GET: those that
+    answer HTTP (metrics export, autoscaler metrics, dashboard and runtime-env agents,
+    Serve's proxy) have no token in front of them and must be bound to loopback; Ray's
+    gRPC servers (token-authenticated) do not answer a GET and are exempt."""
+    found = http_listeners(descendants(os.getpid()))
+    proxy_port = int(server.url.rsplit(":", 1)[1])
+    assert {proxy_port, server.metrics_port} <= {s.port for s in found}, found
+    assert [s for s in found if not s.loopback] == []
 
 
 def test_unknown_route_and_wrong_method(server: Server) -> None:

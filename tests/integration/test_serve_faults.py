@@ -41,9 +41,9 @@ MODEL = ModelConfig.preset("tiny")
 
 
 @pytest.fixture(scope="module")
-def url(ray_cluster: Any) -> Iterator[str]:
+def url(serve_url: str) -> Iterator[str]:
     try:
-        with running_app(ARGS, APP) as url:
+        with running_app(serve_url, ARGS, APP) as url:
             yield url
     finally:
         assert PDCluster.destroy(NAME) == 5   # the named actors outlived the replica

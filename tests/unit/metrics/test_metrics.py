@@ -68,7 +68,8 @@ def test_every_instrument_is_served_over_http(served):
     metrics.count_cached_tokens("storage", 16)
     metrics.count_miss(MissReason.VERIFICATION_FAILED)
     metrics.count_miss("timeout", 3)
-    metrics.count_storage_stats({"hit/": 9, "miss/not_stored": 2}, backend="memory")
+    metrics.count_storage_stats({"hit/": 9, "miss/not_stored": 2, "refused/storage_error": 1},
+                                backend="memory")
     metrics.observe_prefetch(4, 4096, 0.003, backend="disk")
     metrics.observe_prefetch(2, 2048, 0.2, backend="disk", outcome="short")
     metrics.observe_backup(5, 5120, 0.04)
@@ -108,6 +109,8 @@ def test_every_instrument_is_served_over_http(served):
     assert value(got, "pd_cache_storage_misses_total", reason="timeout") == 3
     assert value(got, "pd_cache_storage_misses_total", reason="not_stored") == 2
     assert value(got, "pd_cache_storage_events_total", backend="memory", event="hit") == 9
+    assert value(got, "pd_cache_storage_refusals_total", backend="memory",
+                 reason="storage_error") == 1
     assert value(got, "pd_cache_prefetch_pages_total", backend="disk", outcome="ok") == 4
     assert value(got, "pd_cache_prefetch_bytes_total", backend="disk", outcome="short") == 2048
     assert value(got, "pd_cache_prefetch_seconds_count", backend="disk", outcome="ok") == 1
@@ -213,6 +216,8 @@ def test_storage_stats_adds_deltas_since_the_last_snapshot(served):
     metrics.count_storage_stats(shard1.snapshot(), backend="disk", source="shard1")
     got = scrape(url)
     assert value(got, "pd_cache_storage_events_total", backend="disk", event="refused") == 3
+    assert value(got, "pd_cache_storage_refusals_total", backend="disk",
+                 reason="disk_full") == 3
     assert value(got, "pd_cache_storage_misses_total", reason="disk_full") == 2
 
     # A restarted shard starts its Stats from zero: its new counts are all new.
