@@ -144,10 +144,6 @@ class StorageConfig:
     ``disk_reserve``: the free space the ``disk`` backend keeps on its filesystem, evicting
     tails first to keep it and refusing (``refused/disk_full``) what would eat into it: a
     fraction of the filesystem's size below 1, else bytes.
-
-    ``write_delay_s``: how long an L3 write (prefill write-through, decode offload) waits
-    after it is issued before it starts, so that it does not compete with the return of the
-    request's first token (``flush`` ends the wait; see ``pd_cache.tiering.backup``).
     """
 
     enabled: bool = True
@@ -163,7 +159,6 @@ class StorageConfig:
     prefetch_timeout_max_s: float = 2.0
     prefix_keys: bool = True
     metrics_interval_s: float = 5.0
-    write_delay_s: float = 0.02
 
     def __post_init__(self) -> None:
         one_of("storage.backend", self.backend, tuple(sorted(STORAGE_BACKENDS)))
@@ -175,7 +170,7 @@ class StorageConfig:
         check_positive_int("storage.batch_pages", self.batch_pages)
         one_of("storage.prefetch_policy", self.prefetch_policy, PREFETCH_POLICIES)
         for name in ("prefetch_timeout_base_s", "prefetch_timeout_per_1k_tokens_s",
-                     "prefetch_timeout_max_s", "write_delay_s"):
+                     "prefetch_timeout_max_s"):
             check_non_negative(f"storage.{name}", getattr(self, name))
         check_positive("storage.metrics_interval_s", self.metrics_interval_s)
 

@@ -1,12 +1,8 @@
 """The write path: new full pages -> L3 ``batch_set``, on one background thread, in order.
 
 Records and checksums are built on that thread, off the request path; ``flush`` waits for
-what was issued so far. A write starts ``delay_s`` after it was issued (at most; ``flush``
-ends the wait): a prefill's write-through would otherwise compete for the GIL and the cores
-with the return of its first token (serialization, the ingress, Serve's proxy), which is
-what the client waits for; the order of writes is unchanged. A failed batch stops that
-write (the pages after it would not chain from a stored page) and is counted; it never
-takes the worker down.
+what was issued so far. A failed batch stops that write (the pages after it would not
+chain from a stored page) and is counted; it never takes the worker down.
 
 Every batch is one ``batch_set_v2``. A hybrid model's write also carries the recurrent
 states of its checkpoint pages: batches end at those pages, and each such batch stores,
@@ -42,12 +38,11 @@ log = logging.getLogger("pd_cache.tiering")
 class BackupWriter:
     """Writes pages of a request's chain to L3 later, in issue order."""
 
-    def __init__(self, link: StorageLink, delay_s: float = 0.0) -> None:
-        self.link, self.stats, self.delay_s = link, link.stats, delay_s
+    def __init__(self, link: StorageLink) -> None:
+        self.link, self.stats = link, link.stats
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="pd-cache-backup")
         self._pending: list[Future[None]] = []
         self._lock = threading.Lock()
-        self._hurry = threading.Event()   # set by flush and close: no write waits any more
 
     def backup(self, req: Req, names: Sequence[bytes], tokens: Sequence[int],
                pages: torch.Tensor, prefix: Sequence[bytes] = (), *, skip_stored: bool = False,
@@ -82,19 +77,15 @@ class BackupWriter:
         snapshot = pages.detach().to("cpu", copy=copy)
         kept = {i: s.detach().to("cpu", copy=True) for i, s in (states or {}).items()
                 if 0 <= i < len(names)}
-        due = time.monotonic() + self.delay_s
         job = self._writer.submit(self._write, req, chain, tokens, snapshot, kept, skip_stored,
-                                  kind, kinds, due)
+                                  kind, kinds)
         with self._lock:
             self._pending = [f for f in self._pending if not f.done()] + [job]
         return job
 
     def _write(self, req: Req, chain: Chain, tokens: list[int], pages: torch.Tensor,
                states: dict[int, torch.Tensor], skip_stored: bool, kind: str,
-               kinds: list[str] | None, due: float = 0.0) -> None:
-        wait = due - time.monotonic()
-        if wait > 0:
-            self._hurry.wait(wait)
+               kinds: list[str] | None) -> None:
         started, start, stored = time.perf_counter(), len(chain.names), 0
         try:
             start = self.link.query(req, chain, count=False) if skip_stored else 0
@@ -159,16 +150,11 @@ class BackupWriter:
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for every backup issued so far; ``False`` if some are still running."""
-        self._hurry.set()   # the writes issued so far start at once
         with self._lock:
             jobs = list(self._pending)
-        try:
-            _, running = wait_futures(jobs, timeout=timeout)
-        finally:
-            self._hurry.clear()
+        _, running = wait_futures(jobs, timeout=timeout)
         return not running
 
     def close(self) -> None:
         """Finish the queued backups and stop the background thread."""
-        self._hurry.set()
         self._writer.shutdown(wait=True)

@@ -64,7 +64,7 @@ class CacheController:
         self.page_size, self.algo = self.link.page_size, algo
         self.state_every = state_every
         self.reader = Prefetcher(self.link, host_pool, alloc)
-        self.writer = BackupWriter(self.link, config.write_delay_s)
+        self.writer = BackupWriter(self.link)
 
     def fetch(self, req: Req, names: Sequence[bytes], prefix: Sequence[bytes]) -> StoredPages:
         """KV of the leading pages of ``names`` (after ``prefix``, the local hit's names)

@@ -236,21 +236,6 @@ def test_backup_runs_off_the_request_path_and_flush_waits() -> None:
     engine.close()
 
 
-def test_a_write_waits_its_delay_off_the_first_token_and_flush_ends_the_wait() -> None:
-    cfg = config(batch=3, write_delay_s=60.0)
-    store = Wrapper(make_backend(cfg.storage, cfg.layout))
-    engine = LocalEngine(cfg, storage=store)
-    p = prompt(11, 42)
-    r = Req(rid="r", input_ids=p, max_new_tokens=3)
-    assert engine.generate(r).output_ids == reference(engine, r)
-    assert [op for op, *_ in store.calls] == ["exists"]   # no write started yet
-    assert engine.flush(timeout=10)                        # not 60 s: flush ends the wait
-    assert store.inner.batch_exists(page_hashes(p, PS)) == len(p) // PS
-    assert engine.stats.get("backup", "page") == len(p) // PS
-    assert_clean(engine)
-    engine.close()
-
-
 def test_a_failed_backup_batch_stops_that_backup_and_is_counted() -> None:
     cfg = config(batch=3)
     p = prompt(11, 42)
