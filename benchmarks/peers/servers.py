@@ -64,6 +64,7 @@ class Server:
     """A server process on 127.0.0.1 (``url``), its log in ``log_path``."""
 
     name = "server"
+    cwd = REPO
 
     def __init__(self, log_dir: Path) -> None:
         self.port = free_port()
@@ -80,7 +81,7 @@ class Server:
         began = time.monotonic()
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
-                                         cwd=REPO, start_new_session=True,
+                                         cwd=self.cwd, start_new_session=True,
                                          env=self.environment())
         self._wait_listening(began)
         self.model = get_json(f"{self.url}/v1/models")["data"][0]["id"]
@@ -118,16 +119,23 @@ class Server:
 
 
 class PdCache(Server):
+    """``tree``: the checkout it runs from (another commit's worktree; default this one);
+    ``env``: more environment variables."""
+
     name = "pd-cache"
 
-    def __init__(self, log_dir: Path, model_dir: str, flags: list[str]) -> None:
+    def __init__(self, log_dir: Path, model_dir: str, flags: list[str], tree: Path = REPO,
+                 env: dict[str, str] | None = None) -> None:
         super().__init__(log_dir)
-        self.model_dir, self.flags = model_dir, flags
+        self.model_dir, self.flags, self.cwd, self.env = model_dir, flags, tree, env or {}
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", "pd_cache.app.cli", "serve",
                 "deployments/serve_config.yaml", "--model", self.model_dir,
                 "--port", str(self.port), *self.flags]
+
+    def environment(self) -> dict[str, str]:
+        return {**os.environ, "PYTHONPATH": str(self.cwd), **self.env}
 
 
 class Transformers(Server):

@@ -99,10 +99,15 @@ def _serve(config: Any, apps: list[tuple[Any, Any]], args: argparse.Namespace) -
     http = config.http_options.model_dump(exclude_unset=True)
     port = args.port if args.port is not None else config.http_options.port
     http.update(host=args.host, port=port)
-    serve.start(http_options=http, proxy_location=config.proxy_location)
+    # NOTE: the config's logging_config (Serve's proxy and controller) and each app's (its
+    # replicas): serve_config turns the access log off, a line per request on the way of
+    # every answer (its file, the log monitor, this process's stderr).
+    serve.start(http_options=http, proxy_location=config.proxy_location,
+                logging_config=config.logging_config)
     try:
         for entry, application in apps:
-            serve.run(application, name=entry.name, route_prefix=entry.route_prefix)
+            serve.run(application, name=entry.name, route_prefix=entry.route_prefix,
+                      logging_config=entry.logging_config)
             print(f"{entry.name}: http://{_url_host(args.host)}:{port}{entry.route_prefix}",
                   flush=True)
         _wait_for_stop()

@@ -267,15 +267,21 @@ class PDCacheIngress:
 
         place = self._admitted()   # refused (429) before the stream starts, held until it ends
         hops = {"received_ns": received_ns}
-        return StreamingResponse(self._events(req, rid, chat, tenant, with_usage, place, hops),
+        # NOTE: the prefill starts now, while Serve sets the response up, not once it first
+        # asks the body for a chunk (a body never read leaves it unanswered: no decode).
+        items = self.cluster.stream(req)
+        first = asyncio.ensure_future(anext(items))
+        return StreamingResponse(self._events(req, rid, chat, tenant, with_usage, place, hops,
+                                              _primed(first, items)),
                                  media_type="text/event-stream")
 
     async def _events(self, req: Req, rid: str, chat: bool, tenant: Tenant, with_usage: bool,
-                      place: _Place, hops: dict[str, int]) -> AsyncIterator[str]:
+                      place: _Place, hops: dict[str, int],
+                      items: AsyncIterator[int | Completion]) -> AsyncIterator[str]:
         chunks, text = openai.Chunks(rid, self.model, chat), self.tokenizer.stream()
         with place:
             try:
-                async for item in self.cluster.stream(req):
+                async for item in items:
                     if isinstance(item, Completion):
                         self.guard.served(tenant, item)
                         yield chunks.token(text.flush(), None, openai.finish_reason(
@@ -313,6 +319,16 @@ class _Place:
         if self._held:
             self._held = False
             self.ingress._pending -= 1
+
+
+async def _primed(first: asyncio.Future[Any], rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """``first``'s item, then ``rest``'s; a consumer that stops early cancels ``first``."""
+    try:
+        yield await first
+        async for item in rest:
+            yield item
+    finally:
+        first.cancel()
 
 
 def _unavailable(req: Req, exc: BaseException) -> HTTPError:

@@ -1,5 +1,6 @@
 """``pd-cache serve``: open mode only on loopback; ``--api-keys`` reaches every app; the
-cluster's flags override the pd-cache app's args; a Serve actor dying at start is explained."""
+cluster's flags override the pd-cache app's args; a Serve actor dying at start is explained;
+the config's logging (no access log) reaches Serve."""
 
 from __future__ import annotations
 
@@ -92,3 +93,23 @@ def test_a_serve_actor_dying_at_start_is_explained(monkeypatch: pytest.MonkeyPat
     err = capsys.readouterr().err
     assert "a Ray Serve actor died while the applications started (ActorDiedError: " in err
     assert "--num-prefill 1" in err and "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S" in err
+
+
+def test_the_configs_logging_reaches_serve_and_turns_the_access_log_off(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from ray import serve as ray_serve
+
+    calls: dict[str, Any] = {}
+
+    def run(app: Any, **kwargs: Any) -> None:
+        calls["run"] = kwargs
+        raise KeyboardInterrupt   # stop before serving
+
+    monkeypatch.setattr(serve_cli, "ray_session", lambda *_, **__: contextlib.nullcontext())
+    monkeypatch.setattr(ray_serve, "start", lambda **kwargs: calls.setdefault("start", kwargs))
+    monkeypatch.setattr(ray_serve, "run", run)
+    monkeypatch.setattr(ray_serve, "shutdown", lambda: None)
+    with pytest.raises(KeyboardInterrupt):
+        serve_cli.run(_serve_args("--model", "tiny"))
+    assert calls["start"]["logging_config"].enable_access_log is False     # proxy, controller
+    assert calls["run"]["logging_config"].enable_access_log is False       # the app's replicas

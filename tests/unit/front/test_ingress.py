@@ -1,7 +1,12 @@
 """The ingress's replica count and its ids: replicas share one named cluster, and no id a
-client sees counts the requests before it."""
+client sees counts the requests before it. A stream's prefill starts before Serve reads the
+body."""
 
 from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -46,3 +51,40 @@ def test_completion_ids_are_random() -> None:
         assert len(set(ids)) == 50
         # A counter (even behind a random prefix) puts consecutive ids 1 apart.
         assert min(gaps(ids, prefix)) > 1 << 32
+
+
+class _Cluster:
+    """Streams two tokens of a request once asked; records when it was asked."""
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+
+    async def stream(self, req: Any) -> AsyncIterator[Any]:
+        self.asked.append(req.rid)
+        yield 7
+        yield 8
+
+
+def test_a_streams_prefill_starts_before_serve_reads_the_body() -> None:
+    pytest.importorskip("ray.serve")
+    from pd_cache.core.request import Req
+    from pd_cache.front.serve import PDCacheIngress
+    from pd_cache.front.tokenizer import ByteTokenizer
+
+    cls = PDCacheIngress.func_or_class
+    ingress = cls.__new__(cls)
+    ingress.args, ingress.model, ingress._pending = IngressConfig(), "m", 0
+    ingress.cluster, ingress.tokenizer = _Cluster(), ByteTokenizer(512)
+
+    async def run() -> list[str]:
+        req = Req(rid="r", input_ids=[3, 4], max_new_tokens=2)
+        body = ingress._sse(req, "cmpl-x", False, False, False, 0).body_iterator
+        await asyncio.sleep(0)
+        assert ingress.cluster.asked == ["r"]   # before the first chunk is asked for
+        assert ingress._pending == 1
+        chunks = [c async for c in body]
+        assert ingress._pending == 0
+        return chunks
+
+    chunks = asyncio.run(run())
+    assert len(chunks) == 3 and chunks[-1] == openai.DONE   # two tokens, then [DONE]
