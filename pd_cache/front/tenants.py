@@ -23,12 +23,12 @@ import hashlib
 import hmac
 import json
 import os
-import secrets
 from pathlib import Path
 from typing import NamedTuple
 
+from pd_cache.core.sealing import SECRET_ENV, read_or_create_secret
+
 KEYS_ENV = "PD_CACHE_API_KEYS_FILE"
-SECRET_ENV = "PD_CACHE_SECRET_FILE"
 
 
 class Tenant(NamedTuple):
@@ -49,6 +49,11 @@ class Tenants:
         # NOTE: look keys up by their digest so the table holds no key in clear.
         self._by_digest = {_digest(k): t for k, t in keys.items()}
         self._secret = secret
+
+    @property
+    def secret(self) -> bytes:
+        """The server secret: the cluster's L3 keys derive from it too (core.sealing)."""
+        return self._secret
 
     @classmethod
     def from_file(cls, keys_file: str | os.PathLike[str],
@@ -100,22 +105,6 @@ def _tenant(key: str, value: object) -> Tenant:
         return Tenant(value["tenant"], value.get("admin", False))
     raise ValueError(f"api_keys_file: key {key[:4]!r}...: expected a tenant name or "
                      f"{{\"tenant\": name, \"admin\": bool}}, got {value!r}")
-
-
-def read_or_create_secret(path: Path) -> bytes:
-    """The secret in ``path``; a new random one, written 0600, if the file is absent."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        text = path.read_text().strip()
-        try:
-            return bytes.fromhex(text)
-        except ValueError:
-            raise ValueError(f"secret file {path}: expected hex") from None
-    secret = secrets.token_bytes(32)
-    with os.fdopen(fd, "w") as f:
-        f.write(secret.hex() + "\n")
-    return secret
 
 
 def _digest(key: str) -> bytes:

@@ -283,9 +283,11 @@ class LocalBackend(StorageBackend):
             log.warning("refusing L3 record %s/%s: %s", slot[0], slot[1].hex(), problem)
             self._stats.count(Event.REFUSED, MissReason.VERIFICATION_FAILED)
             return False
-        if slot in self._index:  # names are content addresses: same name, same page
-            self._policy.touch(slot)
+        if slot in self._index and _key(self._index[slot].header) == _key(record.header):
+            self._policy.touch(slot)   # names are content addresses: same name, same page
             return True
+        if slot in self._index:   # sealed under another key (rotated, purged): replaced
+            self._remove(slot)
         # NOTE: only a page the caller vouched for as the next of its chain (a prior to
         # check) may hang from the pages before it in ``names``; otherwise, its prior.
         here = at + i
@@ -341,3 +343,8 @@ def _prefix_tail(info: ExtraInfo | None, algo: str) -> list[bytes]:
     if info is None or not info.prefix_keys:
         return []
     return normalize_keys(list(info.prefix_keys)[-LINK_SCAN:], algo, "extra_info.prefix_keys")
+
+
+def _key(header: RecordHeader) -> tuple[int, int] | None:
+    """The key a record was sealed under (``None``: not sealed)."""
+    return None if header.seal is None else (header.seal.version, header.seal.epoch)

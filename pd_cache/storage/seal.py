@@ -1,0 +1,197 @@
+"""Sealed records: every payload encrypted and authenticated in the worker that writes it.
+
+::
+
+    writer: header' = header + Seal(key version, tenant epoch, owner, nonce per pool)
+            payload' = AEAD(key(tenant, version, epoch), nonce, payload, aad=msgpack(header'))
+    store:  keeps header' and ciphertext; checks shapes (it holds no key)
+    reader: the owner is its tenant's, the key still readable, then AEAD open (the tag
+            covers the bytes and the whole header: a relabelled record fails it)
+
+The tag replaces the payload checksums (a sealed record carries none): the one pass over
+the bytes is the cipher's. A record that fails to open is a verified miss, counted here.
+Nonces are a per-:class:`Sealer` random 8-byte prefix and a 4-byte counter (a new prefix
+before the counter wraps), so no nonce repeats under a key. The AEAD is AES-256-GCM or
+ChaCha20-Poly1305 (``AEAD``: whichever ``benchmarks/bench_storage.py`` measures faster).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import struct
+import threading
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import msgspec
+import numpy as np
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
+
+from pd_cache.core.sealing import KeyId, Keyring
+from pd_cache.core.stats import Stats
+from pd_cache.core.vocab import Event, MissReason
+from pd_cache.storage.base import (
+    ExtraInfo,
+    Pending,
+    PoolHits,
+    PoolTransfer,
+    StorageBackend,
+    Usage,
+)
+from pd_cache.storage.record import PageRecord, Seal, as_bytes, encode_header, rebuild
+
+AEADS: dict[str, Any] = {"aes-256-gcm": AESGCM, "chacha20-poly1305": ChaCha20Poly1305}
+AEAD = "aes-256-gcm"
+_COUNTER = struct.Struct(">I")
+
+
+class Opened(NamedTuple):
+    """A record opened (``record``, its header without the seal) or why not (``reason``)."""
+
+    record: PageRecord | None
+    reason: MissReason | None = None
+    detail: str = ""
+
+
+class Sealer:
+    """Seals and opens records with ``keyring``'s keys; ``enabled=False`` (a benchmark's
+    unsealed baseline) passes records through both ways and opens only unsealed ones."""
+
+    def __init__(self, keyring: Keyring, *, enabled: bool = True, aead: str = AEAD) -> None:
+        if aead not in AEADS:
+            raise ValueError(f"aead: expected one of {sorted(AEADS)}, got {aead!r}")
+        self.keyring, self.enabled, self.aead = keyring, enabled, aead
+        self._lock = threading.Lock()
+        self._prefix, self._count = os.urandom(8), 0
+
+    def _nonce(self) -> bytes:
+        with self._lock:
+            if self._count == 0xFFFFFFFF:
+                self._prefix, self._count = os.urandom(8), 0
+            self._count += 1
+            return self._prefix + _COUNTER.pack(self._count)
+
+    def _cipher(self, tenant: str, key: KeyId) -> Any:
+        return _cipher(self.aead, self.keyring.key(tenant, key))
+
+    def seal(self, record: PageRecord, tenant: str) -> PageRecord:
+        """``record`` sealed under ``tenant``'s current key (itself when disabled)."""
+        if not self.enabled:
+            return record
+        key = self.keyring.current(tenant)
+        nonces = tuple(self._nonce() for _ in record.payloads)
+        seal = Seal(key.version, key.epoch, self.keyring.owner(tenant), nonces)
+        header = msgspec.structs.replace(record.header, seal=seal)
+        aad, cipher = encode_header(header), self._cipher(tenant, key)
+        return rebuild(header, tuple(
+            np.frombuffer(cipher.encrypt(n, as_bytes(t), aad), np.uint8)
+            for n, t in zip(nonces, record.payloads)))
+
+    def open(self, record: PageRecord, tenant: str) -> Opened:
+        """``record``'s plaintext if ``tenant`` may read it and every tag verifies."""
+        seal = record.header.seal
+        if not self.enabled or seal is None:
+            if self.enabled or seal is not None:
+                return Opened(None, MissReason.VERIFICATION_FAILED,
+                              "unsealed record" if seal is None else "sealed record")
+            return Opened(record)
+        key = KeyId(seal.version, seal.epoch)
+        if seal.owner != self.keyring.owner(tenant):
+            return Opened(None, MissReason.VERIFICATION_FAILED, "another tenant's record")
+        if not self.keyring.readable(tenant, key):
+            return Opened(None, MissReason.KEY_RETIRED, f"key {tuple(key)} retired")
+        aad, cipher = encode_header(record.header), self._cipher(tenant, key)
+        try:
+            plain = [np.frombuffer(cipher.decrypt(n, as_bytes(t), aad), np.uint8)
+                     for n, t in zip(seal.nonces, record.payloads)]
+        except InvalidTag:
+            return Opened(None, MissReason.VERIFICATION_FAILED, "tag does not verify")
+        return Opened(rebuild(msgspec.structs.replace(record.header, seal=None), tuple(plain)))
+
+
+@functools.lru_cache(maxsize=256)
+def _cipher(aead: str, key: bytes) -> Any:
+    return AEADS[aead](key)
+
+
+class SealedStorage(StorageBackend):
+    """A worker's view of L3 (``inner``): sets seal, gets open, in this process.
+
+    ``ExtraInfo.tenant`` picks the key (``None``: ``""``) and is dropped before ``inner``
+    sees the call. A record that does not open is a miss (``verification_failed``, or
+    ``key_retired``), counted here and in ``metrics``.
+    """
+
+    checksums_in_reader = True   # the tags were checked here, on the bytes returned
+
+    def __init__(self, inner: StorageBackend, sealer: Sealer, metrics: Any = None) -> None:
+        self.inner, self.sealer, self.metrics = inner, sealer, metrics
+        self.algo = inner.algo
+        self._stats = Stats()
+
+    def batch_exists_v2(self, transfers: Sequence[PoolTransfer],
+                        extra_info: ExtraInfo | None = None) -> PoolHits:
+        return self.submit_exists_v2(transfers, extra_info).result()
+
+    def batch_get_v2(self, transfers: Sequence[PoolTransfer],
+                     extra_info: ExtraInfo | None = None) -> list[PoolTransfer]:
+        return self.submit_get_v2(transfers, extra_info).result()
+
+    def batch_set_v2(self, transfers: Sequence[PoolTransfer],
+                     extra_info: ExtraInfo | None = None) -> list[list[bool]]:
+        return self.submit_set_v2(transfers, extra_info).result()
+
+    def submit_exists_v2(self, transfers: Sequence[PoolTransfer],
+                         extra_info: ExtraInfo | None = None) -> Pending[PoolHits]:
+        return self.inner.submit_exists_v2(transfers, _stripped(extra_info))
+
+    def submit_get_v2(self, transfers: Sequence[PoolTransfer],
+                      extra_info: ExtraInfo | None = None) -> Pending[list[PoolTransfer]]:
+        tenant = _tenant(extra_info)
+        return self.inner.submit_get_v2(transfers, _stripped(extra_info)).then(
+            lambda got: [self._open_all(t, tenant) for t in got])
+
+    def submit_set_v2(self, transfers: Sequence[PoolTransfer],
+                      extra_info: ExtraInfo | None = None) -> Pending[list[list[bool]]]:
+        tenant = _tenant(extra_info)
+        sealed = [t if t.pages is None else msgspec.structs.replace(
+            t, pages=[p if not isinstance(p, PageRecord) else self.sealer.seal(p, tenant)
+                      for p in t.pages]) for t in transfers]
+        return self.inner.submit_set_v2(sealed, _stripped(extra_info))
+
+    def _open_all(self, transfer: PoolTransfer, tenant: str) -> PoolTransfer:
+        pages = []
+        for page in transfer.pages or []:
+            opened = None if page is None else self.sealer.open(page, tenant)
+            if opened is not None and opened.reason is not None:
+                self._miss(opened.reason)
+            pages.append(None if opened is None else opened.record)
+        return msgspec.structs.replace(transfer, pages=pages)
+
+    def _miss(self, reason: MissReason) -> None:
+        if reason is MissReason.VERIFICATION_FAILED:
+            self._stats.count(Event.VERIFICATION_FAILED)
+        self._stats.count(Event.MISS, reason)
+        if self.metrics is not None:
+            self.metrics.count_miss(reason, 1)
+
+    def stats(self) -> dict[str, int]:
+        total = Stats()
+        total.merge(self.inner.stats())
+        total.merge(self._stats.snapshot())
+        return total.snapshot()
+
+    def usage(self) -> Usage:
+        return self.inner.usage()
+
+
+def _tenant(info: ExtraInfo | None) -> str:
+    return "" if info is None or info.tenant is None else info.tenant
+
+
+def _stripped(info: ExtraInfo | None) -> ExtraInfo | None:
+    if info is None or info.tenant is None:
+        return info
+    return msgspec.structs.replace(info, tenant=None)

@@ -1,0 +1,151 @@
+"""Sealed L3 records on a real disk store: what a store (or a thief of its files) sees is
+ciphertext; the tenant reads its pages back bit for bit; anyone else, a relabelled record,
+a retired or purged key, reads nothing (a counted miss)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+
+from pd_cache.core.config import PDCacheConfig
+from pd_cache.core.sealing import Keyring
+from pd_cache.model.model import Model
+from pd_cache.storage import PageRecord, make_record
+from pd_cache.storage.base import ExtraInfo
+from pd_cache.storage.disk import FRAME, MAGIC, DiskBackend
+from pd_cache.storage.record import DTYPES, decode_header, encode_header
+from pd_cache.storage.seal import SealedStorage, Sealer
+from tests.unit.storage.records import Chain, bits, layout_for
+
+SECRET = bytes(range(32))
+
+
+def sealed(inner: DiskBackend, *, enabled: bool = True,
+           keyring: Keyring | None = None) -> SealedStorage:
+    return SealedStorage(inner, Sealer(keyring or Keyring(SECRET), enabled=enabled))
+
+
+def as_tenant(tenant: str) -> ExtraInfo:
+    return ExtraInfo(tenant=tenant)
+
+
+def test_a_sealed_round_trip_and_who_may_read(tmp_path: Path) -> None:
+    layout = layout_for()
+    chain = Chain(layout, 3)
+    keys = Keyring(SECRET)
+    store = sealed(DiskBackend(tmp_path, layout, 1 << 20), keyring=keys)
+    assert store.batch_set(chain.names, chain.records, as_tenant("acme")) == [True] * 3
+    # the store holds ciphertext: no payload byte string of the page is in its files
+    files = sorted(tmp_path.rglob("*.rec"))
+    assert len(files) == 3
+    for f, rec in zip(files, sorted(chain.records, key=lambda r: r.name.hex())):
+        assert bits(rec.payload())[:64] not in f.read_bytes()
+    got = store.batch_get(chain.names, as_tenant("acme"))
+    for g, want in zip(got, chain.records):
+        assert g is not None and g.header.seal is None and g.header.name == want.name
+        assert bits(g.payload()) == bits(want.payload())
+    # another tenant, and the same tenant with another secret, get misses, counted
+    assert store.batch_get(chain.names, as_tenant("other")) == [None] * 3
+    thief = sealed(store.inner, keyring=Keyring(bytes(32)))
+    assert thief.batch_get(chain.names, as_tenant("acme")) == [None] * 3
+    assert store.stats()["miss/verification_failed"] == 3
+    assert thief.stats()["miss/verification_failed"] == 3
+    # rotation: a new version for new writes, the old records readable until retired
+    keys.state = keys.state.rotated()
+    assert all(store.batch_get(chain.names, as_tenant("acme")))
+    keys.state = keys.state.retired()
+    assert store.batch_get(chain.names, as_tenant("acme")) == [None] * 3
+    assert store.stats()["miss/key_retired"] == 3
+    # a purge retires the tenant's keys: what it wrote under the new version goes too
+    assert store.batch_set(chain.names[:1], chain.records[:1], as_tenant("acme")) == [True]
+    assert store.batch_get(chain.names[:1], as_tenant("acme"))[0] is not None
+    keys.state = keys.state.purged("acme")
+    assert store.batch_get(chain.names[:1], as_tenant("acme")) == [None]
+
+
+def test_a_relabelled_record_is_refused(tmp_path: Path) -> None:
+    """A store renames page 1's record to page 1 of another chain (same position, a valid
+    name, shapes and header checksum intact): the reader asking for that page refuses it."""
+    layout = layout_for()
+    mine, theirs = Chain(layout, 2, seed=1), Chain(layout, 2, seed=2)
+    disk = DiskBackend(tmp_path, layout, 1 << 20, fsync=False)
+    store = sealed(disk)
+    assert store.batch_set(mine.names, mine.records, as_tenant("t")) == [True, True]
+    src = disk._path(("kv", mine.names[1]))
+    raw = src.read_bytes()
+    _, size, _ = FRAME.unpack_from(raw)
+    header = decode_header(raw[FRAME.size:FRAME.size + size])
+    forged = encode_header(msgspec.structs.replace(header, name=theirs.names[1],
+                                                   prior=theirs.names[0]))
+    assert len(forged) == size
+    import xxhash
+    out = FRAME.pack(MAGIC, size, xxhash.xxh3_64_intdigest(forged)) + forged \
+        + raw[FRAME.size + size:]
+    dst = disk._path(("kv", theirs.names[1]))
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    dst.write_bytes(out)
+    reopened = DiskBackend(tmp_path, layout, 1 << 20, fsync=False)  # indexes the forged file
+    assert reopened.batch_get([theirs.names[1]])[0] is not None   # the store sees no fault
+    reader = sealed(reopened)
+    assert reader.batch_get([theirs.names[1]], as_tenant("t")) == [None]
+    assert reader.stats()["miss/verification_failed"] == 1
+
+
+def vocabulary_v_rows(model: Model) -> torch.Tensor:
+    """Layer 0's V row of every vocabulary id, [vocab, Hkv * D], as the cache stores it
+    (layer 0's V depends on the token alone)."""
+    block = model.blocks[0]
+    with torch.no_grad():
+        v = torch.nn.functional.linear(block.attn_norm(model.embed), block.attn.wv)
+    return v.to(model.kv_dtype).float()
+
+
+def recover(payload: torch.Tensor, table: torch.Tensor, page_shape: tuple[int, ...],
+            dtype: torch.dtype) -> list[int | None]:
+    """The review's attack: read a stored payload as a KV page, match each of layer 0's V
+    rows against every vocabulary id's; the id whose row equals it, if one does."""
+    n = DTYPES[str(dtype).removeprefix("torch.")].itemsize * int(torch.tensor(page_shape).prod())
+    raw = payload.contiguous().view(torch.uint8).reshape(-1)[:n]
+    page = raw.view(dtype).view(page_shape).float()
+    rows = page[1, 0].reshape(page_shape[2], -1)   # V, layer 0, one row per token
+    out: list[int | None] = []
+    for row in rows:
+        dist = (table - row).abs().amax(dim=1)
+        best = int(dist.argmin())
+        out.append(best if float(dist[best]) == 0.0 else None)
+    return out
+
+
+@pytest.mark.parametrize("seal", [True, False])
+def test_stored_records_give_no_prompt_back(tmp_path: Path, seal: bool) -> None:
+    """Sealed: nothing recovered from the files. Unsealed (the baseline): the whole prompt
+    is, so the attack works and the sealed result means something."""
+    cfg = PDCacheConfig()
+    layout, model = cfg.layout, Model(cfg.model)
+    ps = layout.page_size
+    prompt = torch.randint(0, cfg.model.vocab_size, (4 * ps,),
+                           generator=torch.Generator().manual_seed(5)).tolist()
+    kv = model(prompt).kv   # [2, L, T, Hkv, D]
+    from pd_cache.core.hashing import namespace_seed, page_hashes
+    names = page_hashes(prompt, ps)
+    priors = [namespace_seed(None, None), *names[:-1]]
+    records = [make_record(names[i], priors[i], prompt[i * ps:(i + 1) * ps],
+                           {"kv": kv[:, :, i * ps:(i + 1) * ps].contiguous()},
+                           fingerprint=layout.fingerprint, sums=not seal)
+               for i in range(len(names))]
+    store = sealed(DiskBackend(tmp_path, layout, 1 << 24, fsync=False), enabled=seal)
+    assert store.batch_set(names, records, as_tenant("acme")) == [True] * len(names)
+    table = vocabulary_v_rows(model)
+    dtype = getattr(torch, layout.kv_dtype)
+    thief = DiskBackend(tmp_path, layout, 1 << 24, fsync=False)   # the files, no key
+    stolen: list[PageRecord | None] = thief.batch_get(names)
+    found = [t for rec in stolen if rec is not None
+             for t in recover(rec.payload(), table, layout.page_shape, dtype)]
+    assert len(found) == len(prompt)
+    if seal:
+        assert [t for t in found if t is not None] == []
+    else:
+        assert found == prompt
