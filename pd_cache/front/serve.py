@@ -85,7 +85,10 @@ class PDCacheIngress:
         if self.tenants is None:
             log.warning("no API keys: serving in open mode (clients choose their namespace)")
         # NOTE: a named cluster's actors are detached: a restarted replica attaches to them.
-        self.cluster = PDCluster.start(args.cluster, name=args.ingress.cluster_name)
+        # NOTE: one secret for tenant salts and L3 keys; open mode draws a random one.
+        secret = self.tenants.secret if self.tenants is not None else None
+        self.cluster = PDCluster.start(args.cluster, name=args.ingress.cluster_name,
+                                       secret=secret)
         self.model = args.cluster.model
         # NOTE: a checkpoint's own tokenizer and chat template; the byte one for presets.
         self.tokenizer = tokenizer_for(self.cluster.pd.model)
@@ -233,7 +236,8 @@ class PDCacheIngress:
         fields = {"rid": shown if rid is None else f"{rid}#{tag}", "input_ids": ids,
                   "max_new_tokens": max_new,
                   "sampling": sampling, "cache_salt": salt, "extra_key": extra_key,
-                  "deadline": time.time() + self.args.request_timeout_s}
+                  "deadline": time.time() + self.args.request_timeout_s,
+                  "tenant": tenant.name}
         try:
             return self.cluster.admit(fields), shown
         except ValueError as exc:

@@ -176,6 +176,7 @@ class StorageBackend(ABC):
     """
 
     checksums_in_reader = False
+    seals = False   # records are sealed on the way in: their writers compute no checksums
 
     algo: str = "xxh3_128"
 

@@ -128,7 +128,7 @@ class SealedStorage(StorageBackend):
 
     def __init__(self, inner: StorageBackend, sealer: Sealer, metrics: Any = None) -> None:
         self.inner, self.sealer, self.metrics = inner, sealer, metrics
-        self.algo = inner.algo
+        self.algo, self.seals = inner.algo, sealer.enabled
         self._stats = Stats()
 
     def batch_exists_v2(self, transfers: Sequence[PoolTransfer],
