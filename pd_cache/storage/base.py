@@ -208,6 +208,12 @@ class StorageBackend(ABC):
         buffers when this returns. Storing may evict records (chain tails first).
         """
 
+    def discard_v2(self, pool: str, keys: Sequence[Key]) -> int:
+        """Delete the records of ``keys`` a reader found bad (a tag that does not verify, a
+        retired key), counted ``verification_failed``; how many (0: none, or not known yet:
+        the sharded client does not wait). A later set of the name stores afresh."""
+        return 0
+
     @abstractmethod
     def stats(self) -> dict[str, int]:
         """Snapshot of the event counts, ``{"event/reason": n}`` (see ``pd_cache.core.stats``)."""

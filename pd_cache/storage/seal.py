@@ -18,6 +18,7 @@ ChaCha20-Poly1305 (``AEAD``: whichever ``benchmarks/bench_storage.py`` measures 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import struct
 import threading
@@ -41,6 +42,8 @@ from pd_cache.storage.base import (
     Usage,
 )
 from pd_cache.storage.record import PageRecord, Seal, as_bytes, encode_header, rebuild
+
+log = logging.getLogger(__name__)
 
 AEADS: dict[str, Any] = {"aes-256-gcm": AESGCM, "chacha20-poly1305": ChaCha20Poly1305}
 AEAD = "aes-256-gcm"
@@ -162,18 +165,25 @@ class SealedStorage(StorageBackend):
         return self.inner.submit_set_v2(sealed, _stripped(extra_info))
 
     def _open_all(self, transfer: PoolTransfer, tenant: str) -> PoolTransfer:
-        pages = []
-        for page in transfer.pages or []:
+        pages, bad = [], []
+        for key, page in zip(transfer.keys, transfer.pages or []):
             opened = None if page is None else self.sealer.open(page, tenant)
             if opened is not None and opened.reason is not None:
+                log.warning("L3 record %s/%s does not open: %s", transfer.pool,
+                            page.name.hex(), opened.detail)
                 self._miss(opened.reason)
+                seal = page.header.seal
+                # NOTE: another owner's record is left alone (this reader cannot tell it
+                # is bad); a set under this owner's key replaces it.
+                if seal is None or seal.owner == self.sealer.keyring.owner(tenant):
+                    bad.append(key)
             pages.append(None if opened is None else opened.record)
+        if bad:   # NOTE: the store deletes them, so the page can be stored again
+            self.inner.discard_v2(transfer.pool, bad)
         return msgspec.structs.replace(transfer, pages=pages)
 
     def _miss(self, reason: MissReason) -> None:
-        if reason is MissReason.VERIFICATION_FAILED:
-            self._stats.count(Event.VERIFICATION_FAILED)
-        self._stats.count(Event.MISS, reason)
+        self._stats.count(Event.MISS, reason)   # the store counts the discard
         if self.metrics is not None:
             self.metrics.count_miss(reason, 1)
 

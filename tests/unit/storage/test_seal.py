@@ -59,11 +59,21 @@ def test_a_sealed_round_trip_and_who_may_read(tmp_path: Path) -> None:
     keys.state = keys.state.retired()
     assert store.batch_get(chain.names, as_tenant("acme")) == [None] * 3
     assert store.stats()["miss/key_retired"] == 3
-    # a purge retires the tenant's keys: what it wrote under the new version goes too
-    assert store.batch_set(chain.names[:1], chain.records[:1], as_tenant("acme")) == [True]
-    assert store.batch_get(chain.names[:1], as_tenant("acme"))[0] is not None
+    assert store.inner.usage().records == 0   # the reader had the store discard them
+    # a purge retires the tenant's keys at once, and the store reclaims its records
+    other = Chain(layout, 2, seed=9)
+    assert store.batch_set(chain.names, chain.records, as_tenant("acme")) == [True] * 3
+    assert store.batch_set(other.names, other.records, as_tenant("beta")) == [True] * 2
+    assert all(store.batch_get(chain.names, as_tenant("acme")))
     keys.state = keys.state.purged("acme")
     assert store.batch_get(chain.names[:1], as_tenant("acme")) == [None]
+    assert store.inner.reclaim(owners=[keys.owner("acme")]) == 2
+    assert len(list(tmp_path.rglob("*.rec"))) == 2
+    assert all(store.batch_get(other.names, as_tenant("beta")))
+    # a retirement lets the store reclaim every record sealed under an older version
+    keys.state = keys.state.rotated()
+    assert store.inner.reclaim(below=keys.state.version) == 2
+    assert list(tmp_path.rglob("*.rec")) == []
 
 
 def test_a_relabelled_record_is_refused(tmp_path: Path) -> None:
