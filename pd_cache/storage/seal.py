@@ -22,12 +22,15 @@ import logging
 import os
 import struct
 import threading
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
+import torch
 from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
 
 from pd_cache.core.sealing import KeyId, Keyring
@@ -41,7 +44,7 @@ from pd_cache.storage.base import (
     StorageBackend,
     Usage,
 )
-from pd_cache.storage.record import PageRecord, Seal, as_bytes, encode_header, rebuild
+from pd_cache.storage.record import TAG_BYTES, PageRecord, Seal, as_bytes, encode_header, typed
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +79,6 @@ class Sealer:
             self._count += 1
             return self._prefix + _COUNTER.pack(self._count)
 
-    def _cipher(self, tenant: str, key: KeyId) -> Any:
-        return _cipher(self.aead, self.keyring.key(tenant, key))
 
     def seal(self, record: PageRecord, tenant: str) -> PageRecord:
         """``record`` sealed under ``tenant``'s current key (itself when disabled)."""
@@ -87,10 +88,10 @@ class Sealer:
         nonces = tuple(self._nonce() for _ in record.payloads)
         seal = Seal(key.version, key.epoch, self.keyring.owner(tenant), nonces)
         header = msgspec.structs.replace(record.header, seal=seal)
-        aad, cipher = encode_header(header), self._cipher(tenant, key)
-        return rebuild(header, tuple(
-            np.frombuffer(cipher.encrypt(n, as_bytes(t), aad), np.uint8)
-            for n, t in zip(nonces, record.payloads)))
+        aad, secret = encode_header(header), self.keyring.key(tenant, key)
+        seal_one = _gcm_seal if self.aead == "aes-256-gcm" else _aead_seal(self.aead)
+        return PageRecord(header, tuple(seal_one(secret, n, as_bytes(t), aad)
+                                        for n, t in zip(nonces, record.payloads)))
 
     def open(self, record: PageRecord, tenant: str) -> Opened:
         """``record``'s plaintext if ``tenant`` may read it and every tag verifies."""
@@ -105,18 +106,60 @@ class Sealer:
             return Opened(None, MissReason.VERIFICATION_FAILED, "another tenant's record")
         if not self.keyring.readable(tenant, key):
             return Opened(None, MissReason.KEY_RETIRED, f"key {tuple(key)} retired")
-        aad, cipher = encode_header(record.header), self._cipher(tenant, key)
+        aad, secret = encode_header(record.header), self.keyring.key(tenant, key)
+        open_one = _gcm_open if self.aead == "aes-256-gcm" else _aead_open(self.aead)
         try:
-            plain = [np.frombuffer(cipher.decrypt(n, as_bytes(t), aad), np.uint8)
-                     for n, t in zip(seal.nonces, record.payloads)]
+            plain = [typed(open_one(secret, n, as_bytes(t), aad), e)
+                     for n, t, e in zip(seal.nonces, record.payloads, record.header.pools)]
         except InvalidTag:
             return Opened(None, MissReason.VERIFICATION_FAILED, "tag does not verify")
-        return Opened(rebuild(msgspec.structs.replace(record.header, seal=None), tuple(plain)))
+        return Opened(PageRecord(msgspec.structs.replace(record.header, seal=None),
+                                 tuple(plain)))
+
+
+# NOTE: AES-GCM through the streaming interface, into a buffer of our own: here ~7 GB/s,
+# where the one-shot AESGCM (a new bytes object per call) ran at ~1 GB/s.
+def _gcm_seal(key: bytes, nonce: bytes, data: np.ndarray, aad: bytes) -> torch.Tensor:
+    enc = Cipher(algorithms.AES(key), modes.GCM(nonce)).encryptor()
+    enc.authenticate_additional_data(aad)
+    out = torch.empty(len(data) + TAG_BYTES, dtype=torch.uint8)
+    view = out.numpy()
+    enc.update_into(data, view[:-TAG_BYTES])
+    enc.finalize()
+    view[-TAG_BYTES:] = np.frombuffer(enc.tag, np.uint8)
+    return out
+
+
+def _gcm_open(key: bytes, nonce: bytes, data: np.ndarray, aad: bytes) -> torch.Tensor:
+    """The plaintext of ``data`` (ciphertext + tag); ``InvalidTag`` if it does not verify."""
+    if len(data) < TAG_BYTES:
+        raise InvalidTag
+    tag = data[-TAG_BYTES:].tobytes()
+    dec = Cipher(algorithms.AES(key), modes.GCM(nonce, tag)).decryptor()
+    dec.authenticate_additional_data(aad)
+    out = torch.empty(len(data) - TAG_BYTES, dtype=torch.uint8)
+    dec.update_into(data[:-TAG_BYTES], out.numpy())
+    dec.finalize()
+    return out
+
+
+def _aead_seal(aead: str) -> Callable[[bytes, bytes, np.ndarray, bytes], torch.Tensor]:
+    return lambda key, nonce, data, aad: _tensor(_aead(aead, key).encrypt(nonce, data, aad))
+
+
+def _aead_open(aead: str) -> Callable[[bytes, bytes, np.ndarray, bytes], torch.Tensor]:
+    return lambda key, nonce, data, aad: _tensor(_aead(aead, key).decrypt(nonce, data, aad))
 
 
 @functools.lru_cache(maxsize=256)
-def _cipher(aead: str, key: bytes) -> Any:
+def _aead(aead: str, key: bytes) -> Any:
     return AEADS[aead](key)
+
+
+def _tensor(raw: bytes) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)   # read-only bytes, shared not copied
+        return torch.from_numpy(np.frombuffer(raw, np.uint8))
 
 
 class SealedStorage(StorageBackend):

@@ -16,8 +16,8 @@ from pd_cache.model.model import Model
 from pd_cache.storage import PageRecord, make_record
 from pd_cache.storage.base import ExtraInfo
 from pd_cache.storage.disk import FRAME, MAGIC, DiskBackend
-from pd_cache.storage.record import DTYPES, decode_header, encode_header
-from pd_cache.storage.seal import SealedStorage, Sealer
+from pd_cache.storage.record import DTYPES, as_bytes, decode_header, encode_header
+from pd_cache.storage.seal import AEADS, SealedStorage, Sealer
 from tests.unit.storage.records import Chain, bits, layout_for
 
 SECRET = bytes(range(32))
@@ -159,3 +159,21 @@ def test_stored_records_give_no_prompt_back(tmp_path: Path, seal: bool) -> None:
         assert [t for t in found if t is not None] == []
     else:
         assert found == prompt
+
+
+@pytest.mark.parametrize("aead", sorted(AEADS))
+def test_each_aead_is_the_standard_one_over_payload_and_header(aead: str) -> None:
+    """What a sealer writes opens with the textbook AEAD (key, nonce, header as associated
+    data), and what it opens is the page's plaintext."""
+    page = Chain(layout_for(), 1).records[0]
+    keys = Keyring(SECRET)
+    sealer = Sealer(keys, aead=aead)
+    rec = sealer.seal(page, "t")
+    assert rec.header.seal is not None
+    key = keys.key("t", keys.current("t"))
+    plain = AEADS[aead](key).decrypt(rec.header.seal.nonces[0], as_bytes(rec.payloads[0]),
+                                     encode_header(rec.header))
+    assert plain == bits(page.payload())
+    opened = sealer.open(rec, "t").record
+    assert opened is not None and bits(opened.payload()) == plain
+    assert opened.header == msgspec.structs.replace(rec.header, seal=None)
