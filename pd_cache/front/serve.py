@@ -45,6 +45,7 @@ from pd_cache.cluster.router import NoLiveWorker
 from pd_cache.core.request import DeadlineExceeded, Req, SamplingParams
 from pd_cache.core.wire import Completion
 from pd_cache.front import openai
+from pd_cache.front.admin import keys_call, purged_tenant
 from pd_cache.front.app_args import AppArgs, IngressConfig
 from pd_cache.front.hf_tokenizer import tokenizer_for
 from pd_cache.front.http import HTTPError, check_rid, decode_json, read_body, value_error
@@ -110,7 +111,11 @@ class PDCacheIngress:
                   "/v1/chat/completions": ("POST", self.chat),
                   "/v1/generate": ("POST", self.generate),
                   "/v1/models": ("GET", self.models), "/healthz": ("GET", self.health),
-                  "/admin/drop_caches": ("POST", self.drop_caches)}
+                  "/admin/drop_caches": ("POST", self.drop_caches),
+                  "/admin/keys/rotate": ("POST", self.keys), "/admin/keys/retire":
+                  ("POST", self.keys)}
+        if purged_tenant(path) is not None:
+            routes[path] = ("POST", self.keys)
         if path not in routes:
             raise HTTPError(404, f"no route {path!r}; try one of {sorted(routes)}", None,
                             "not_found")
@@ -146,6 +151,16 @@ class PDCacheIngress:
                             "permission_denied")
         dropped = await asyncio.to_thread(self.cluster.drop_caches)
         return _json(200, {"dropped_pages": dropped})
+
+    async def keys(self, request: Any) -> Any:
+        """Rotate or retire the L3 keys, or purge a tenant (``front.admin``); admin keys."""
+        if not self._tenant(request).admin:
+            raise HTTPError(403, "L3 keys need an admin key", "authorization",
+                            "permission_denied")
+        path = request.url.path.rstrip("/")
+        tenant = purged_tenant(path)
+        action = "purge" if tenant is not None else path.rsplit("/", 1)[-1]
+        return _json(200, await keys_call(self.cluster, action, tenant))
 
     async def generate(self, request: Any) -> Any:
         tenant = self._tenant(request)

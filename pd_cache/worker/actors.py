@@ -24,7 +24,7 @@ import torch
 
 from pd_cache.core.config import PDCacheConfig
 from pd_cache.core.request import Req
-from pd_cache.core.sealing import Keyring
+from pd_cache.core.sealing import Keyring, KeyState
 from pd_cache.core.wire import DecodeInfo, PrefillInfo
 from pd_cache.worker.workers import DecodeWorker, PrefillResult, PrefillWorker
 
@@ -69,10 +69,32 @@ def _in_process(config: PDCacheConfig, storage_handles: Sequence[Any], threads: 
 
 
 class _Hosted:
-    """What an actor adds to the worker it is: answers to health checks. Every other call
-    (``flush``, ``state``, ``drop_cache``, ``page_names``, ...) is the worker's own."""
+    """What an actor adds to the worker it is: answers to health checks, and its L3 keys
+    (``core.sealing``) with the namespaces each tenant used here (what a purge drops).
+    Every other call (``flush``, ``state``, ``drop_cache``, ...) is the worker's own."""
 
     worker_id: int
+    keyring: Keyring
+    _seeds: dict[str, set[bytes]]
+
+    def _host(self, keyring: Keyring | None) -> Keyring:
+        self.keyring, self._seeds = keyring or Keyring.random(), {}
+        return self.keyring
+
+    def _saw(self, req: Req) -> None:
+        self._seeds.setdefault(req.tenant, set()).add(req.namespace_seed(self.algo))
+
+    def set_keys(self, state: KeyState) -> None:
+        """The cluster's new key state (a rotation, a retirement, a purge)."""
+        self.keyring.state = state
+
+    def owner(self, tenant: str) -> bytes:
+        """``tenant``'s owner label on sealed records (what a shard reclaims by)."""
+        return self.keyring.owner(tenant)
+
+    def forget_tenant(self, tenant: str) -> int:
+        """Drop the L1 and L2 pages of every namespace ``tenant`` used here; how many."""
+        return self.drop_namespaces(self._seeds.pop(tenant, set()))
 
     def ready(self) -> int:
         return self.worker_id
@@ -87,12 +109,14 @@ class PrefillActor(_Hosted, PrefillWorker):
                  threads: int = 1, storage_timeout_s: float | None = 10.0,
                  keyring: Keyring | None = None) -> None:
         super().__init__(config, worker_id=worker_id, **_in_process(
-            config, storage_handles, threads, storage_timeout_s, keyring))
+            config, storage_handles, threads, storage_timeout_s, self._host(keyring)))
+        self.algo = config.cache.hash_algo
 
     @ray.method(num_returns=3)
     def prefill(self, req: Req) -> PrefillResult:
         """-> info, the prompt's KV pages, a hybrid prompt's states (``None`` when plain),
         as three objects."""
+        self._saw(req)
         return super().prefill(req)
 
 
@@ -104,7 +128,8 @@ class DecodeActor(_Hosted, DecodeWorker):
                  threads: int = 1, storage_timeout_s: float | None = 10.0,
                  max_batch: int = 1, keyring: Keyring | None = None) -> None:
         super().__init__(config, worker_id=worker_id, max_batch=max_batch, **_in_process(
-            config, storage_handles, threads, storage_timeout_s, keyring))
+            config, storage_handles, threads, storage_timeout_s, self._host(keyring)))
+        self.algo = config.cache.hash_algo
 
     def decode_handoff(self, req: Req, info: PrefillInfo, handoff: list[Any]) -> DecodeInfo:
         """``decode`` of the pages (and a hybrid prompt's states) ``handoff`` refers to."""
@@ -117,6 +142,7 @@ class DecodeActor(_Hosted, DecodeWorker):
         """``decode_stream`` of what ``handoff`` refers to: each token after the first as
         it is drawn, then the ``DecodeInfo``."""
         req.check_deadline("handoff")
+        self._saw(req)
         start = time.perf_counter()
         # NOTE: [pages] or [pages, states] (a hybrid prompt's recurrent state).
         got = ray.get(list(handoff[:2]))

@@ -16,9 +16,10 @@ from pd_cache.model.model import Model
 from pd_cache.storage import PageRecord, make_record
 from pd_cache.storage.base import ExtraInfo
 from pd_cache.storage.disk import FRAME, MAGIC, DiskBackend
-from pd_cache.storage.record import DTYPES, as_bytes, decode_header, encode_header
+from pd_cache.storage.record import as_bytes, decode_header, encode_header
 from pd_cache.storage.seal import AEADS, SealedStorage, Sealer
 from tests.unit.storage.records import Chain, bits, layout_for
+from tests.unit.storage.recovery import recover, vocabulary_v_rows
 
 SECRET = bytes(range(32))
 
@@ -102,31 +103,6 @@ def test_a_relabelled_record_is_refused(tmp_path: Path) -> None:
     reader = sealed(reopened)
     assert reader.batch_get([theirs.names[1]], as_tenant("t")) == [None]
     assert reader.stats()["miss/verification_failed"] == 1
-
-
-def vocabulary_v_rows(model: Model) -> torch.Tensor:
-    """Layer 0's V row of every vocabulary id, [vocab, Hkv * D], as the cache stores it
-    (layer 0's V depends on the token alone)."""
-    block = model.blocks[0]
-    with torch.no_grad():
-        v = torch.nn.functional.linear(block.attn_norm(model.embed), block.attn.wv)
-    return v.to(model.kv_dtype).float()
-
-
-def recover(payload: torch.Tensor, table: torch.Tensor, page_shape: tuple[int, ...],
-            dtype: torch.dtype) -> list[int | None]:
-    """The review's attack: read a stored payload as a KV page, match each of layer 0's V
-    rows against every vocabulary id's; the id whose row equals it, if one does."""
-    n = DTYPES[str(dtype).removeprefix("torch.")].itemsize * int(torch.tensor(page_shape).prod())
-    raw = payload.contiguous().view(torch.uint8).reshape(-1)[:n]
-    page = raw.view(dtype).view(page_shape).float()
-    rows = page[1, 0].reshape(page_shape[2], -1)   # V, layer 0, one row per token
-    out: list[int | None] = []
-    for row in rows:
-        dist = (table - row).abs().amax(dim=1)
-        best = int(dist.argmin())
-        out.append(best if float(dist[best]) == 0.0 else None)
-    return out
 
 
 @pytest.mark.parametrize("seal", [True, False])
