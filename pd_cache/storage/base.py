@@ -209,9 +209,8 @@ class StorageBackend(ABC):
         """
 
     def discard_v2(self, pool: str, keys: Sequence[Key]) -> int:
-        """Delete the records of ``keys`` a reader found bad (a tag that does not verify, a
-        retired key), counted ``verification_failed``; how many (0: none, or not known yet:
-        the sharded client does not wait). A later set of the name stores afresh."""
+        """Delete ``keys``' records a reader found bad (a failed tag, a retired key), counted
+        ``verification_failed``; how many (the sharded client does not wait: 0)."""
         return 0
 
     @abstractmethod
@@ -263,6 +262,22 @@ class StorageBackend(ABC):
         _same_length(keys, records)
         return self.submit_set_v2([PoolTransfer(KV_POOL, keys, records)], extra_info).then(
             _first)
+
+
+class SubmittedBackend(StorageBackend):
+    """A backend that implements ``submit_*_v2``; each sync call waits for its submit."""
+
+    def batch_exists_v2(self, transfers: Sequence[PoolTransfer],
+                        extra_info: ExtraInfo | None = None) -> PoolHits:
+        return self.submit_exists_v2(transfers, extra_info).result()
+
+    def batch_get_v2(self, transfers: Sequence[PoolTransfer],
+                     extra_info: ExtraInfo | None = None) -> list[PoolTransfer]:
+        return self.submit_get_v2(transfers, extra_info).result()
+
+    def batch_set_v2(self, transfers: Sequence[PoolTransfer],
+                     extra_info: ExtraInfo | None = None) -> list[list[bool]]:
+        return self.submit_set_v2(transfers, extra_info).result()
 
 
 def usable_prefix(transfers: Sequence[PoolTransfer]) -> int:

@@ -36,7 +36,7 @@ from pd_cache.storage.base import (
     PoolHits,
     PoolTransfer,
     ShardFault,
-    StorageBackend,
+    SubmittedBackend,
     Usage,
 )
 from pd_cache.storage.batch import Batch, check_batch, normalize_keys, usable_hits
@@ -63,7 +63,7 @@ def rendezvous(name: bytes, num_shards: int) -> int:
     return max(range(num_shards), key=lambda s: xxhash.xxh3_64_intdigest(name, seed=s))
 
 
-class StorageClient(StorageBackend):
+class StorageClient(SubmittedBackend):
     """Spreads pages over tier actors; sync calls wait at most ``timeout_s`` seconds.
 
     ``handles`` must be in the same order in every process (shard ``i`` is ``handles[i]``).
@@ -107,18 +107,6 @@ class StorageClient(StorageBackend):
         return cls(storage_actors(config, name, detached=detached, **options),
                    algo=config.cache.hash_algo, timeout_s=timeout_s, layout=config.layout)
 
-    # -- sync: submit and wait --------------------------------------------------------------
-    def batch_exists_v2(self, transfers: Sequence[PoolTransfer],
-                        extra_info: ExtraInfo | None = None) -> PoolHits:
-        return self.submit_exists_v2(transfers, extra_info).result()
-
-    def batch_get_v2(self, transfers: Sequence[PoolTransfer],
-                     extra_info: ExtraInfo | None = None) -> list[PoolTransfer]:
-        return self.submit_get_v2(transfers, extra_info).result()
-
-    def batch_set_v2(self, transfers: Sequence[PoolTransfer],
-                     extra_info: ExtraInfo | None = None) -> list[list[bool]]:
-        return self.submit_set_v2(transfers, extra_info).result()
 
     # -- async ------------------------------------------------------------------------------
     def submit_exists_v2(self, transfers: Sequence[PoolTransfer],

@@ -42,6 +42,7 @@ from pd_cache.storage.base import (
     PoolHits,
     PoolTransfer,
     StorageBackend,
+    SubmittedBackend,
     Usage,
 )
 from pd_cache.storage.record import TAG_BYTES, PageRecord, Seal, as_bytes, encode_header, typed
@@ -162,7 +163,7 @@ def _tensor(raw: bytes) -> torch.Tensor:
         return torch.from_numpy(np.frombuffer(raw, np.uint8))
 
 
-class SealedStorage(StorageBackend):
+class SealedStorage(SubmittedBackend):
     """A worker's view of L3 (``inner``): sets seal, gets open, in this process.
 
     ``ExtraInfo.tenant`` picks the key (``None``: ``""``) and is dropped before ``inner``
@@ -176,18 +177,6 @@ class SealedStorage(StorageBackend):
         self.inner, self.sealer, self.metrics = inner, sealer, metrics
         self.algo, self.seals = inner.algo, sealer.enabled
         self._stats = Stats()
-
-    def batch_exists_v2(self, transfers: Sequence[PoolTransfer],
-                        extra_info: ExtraInfo | None = None) -> PoolHits:
-        return self.submit_exists_v2(transfers, extra_info).result()
-
-    def batch_get_v2(self, transfers: Sequence[PoolTransfer],
-                     extra_info: ExtraInfo | None = None) -> list[PoolTransfer]:
-        return self.submit_get_v2(transfers, extra_info).result()
-
-    def batch_set_v2(self, transfers: Sequence[PoolTransfer],
-                     extra_info: ExtraInfo | None = None) -> list[list[bool]]:
-        return self.submit_set_v2(transfers, extra_info).result()
 
     def submit_exists_v2(self, transfers: Sequence[PoolTransfer],
                          extra_info: ExtraInfo | None = None) -> Pending[PoolHits]:
