@@ -8,11 +8,14 @@ namespace (``cache_salt``):
            verification, the model over the last 128 tokens, write-through of the new page
   zero-reuse overhead: unique prompts through an engine with L3 vs one without (prefill
            wall time; the write-through runs in the background and is flushed untimed)
+  sealed   the L3-hit TTFT through sealed records vs unsealed ones (``storage.seal:
+           false``), same backend, alternating (``--sealed-only``: just these rows, into
+           results/controller_sealed.json)
 The main figures use an in-process ``memory`` backend; ``--ray`` adds one StorageTier
 actor on a throwaway local Ray cluster (a token of its own), shut down at the end.
 TTFT is ``engine.prefill`` wall time; headline figures use each case's fastest run.
 
-    python benchmarks/bench_controller.py [--repeats R] [--threads N] [--ray]
+    python benchmarks/bench_controller.py [--repeats R] [--threads N] [--ray] [--sealed-only]
 """
 
 from __future__ import annotations

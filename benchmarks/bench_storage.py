@@ -35,6 +35,14 @@ at those checkpoints (KV + the trailing ``state``), a read the same with ``batch
 beside it, in the same run and on the same stored pages, the KV-only read (v1 batches of
 the small-batch size, as the transport check).
 
+Sealed rows (1 tier actor, ``storage.batch_pages`` calls): the worker's view of L3
+(``storage.seal.SealedStorage``) three ways over one client, side by side in each
+repetition: unsealed (``storage.seal: false``), sealed with AES-256-GCM, sealed with
+ChaCha20-Poly1305. ``set`` builds, seals and stores the records; ``get`` opens (or
+verifies) them; ``get+copy`` also copies each page into the pool. Keys
+``sealed_get_vs_memcpy``, ``sealed_get_vs_unsealed``, ``sealed_set_vs_memcpy``;
+``--sealed-only`` runs just these rows (``results/storage_sealed.json``).
+
 Capacity pressure (in-process memory backend, no Ray): 32 prompts of 8-16 pages that
 share nothing, room for 40% of their pages, under two eviction orders side by side: the
 previous one (least recently used page first: ``head_first``) and the store's
@@ -45,6 +53,7 @@ writes every prompt once, then asks each for its hit; ``serving`` replays 256 re
 stored.
 
     python benchmarks/bench_storage.py [--repeats R] [--batch-pages B] [--small-batch-pages S]
+                                       [--sealed-only]
 
 Starts its own local Ray cluster (authentication off, no dashboard) and shuts it down.
 """
