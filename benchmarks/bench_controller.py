@@ -8,11 +8,14 @@ namespace (``cache_salt``):
            verification, the model over the last 128 tokens, write-through of the new page
   zero-reuse overhead: unique prompts through an engine with L3 vs one without (prefill
            wall time; the write-through runs in the background and is flushed untimed)
+  sealed   the L3-hit TTFT through sealed records vs unsealed ones (``storage.seal:
+           false``), same backend, alternating (``--sealed-only``: just these rows, into
+           results/controller_sealed.json)
 The main figures use an in-process ``memory`` backend; ``--ray`` adds one StorageTier
 actor on a throwaway local Ray cluster (a token of its own), shut down at the end.
 TTFT is ``engine.prefill`` wall time; headline figures use each case's fastest run.
 
-    python benchmarks/bench_controller.py [--repeats R] [--threads N] [--ray]
+    python benchmarks/bench_controller.py [--repeats R] [--threads N] [--ray] [--sealed-only]
 """
 
 from __future__ import annotations
@@ -37,13 +40,16 @@ from pd_cache import (
     StorageConfig,
     make_backend,
 )
+from pd_cache.core.sealing import Keyring
 from pd_cache.storage.base import StorageBackend
+from pd_cache.storage.seal import SealedStorage, Sealer
 
 RESULTS = Path(__file__).parent / "results" / "controller.json"
 SEED = 4321
 PROMPT, CACHED, PAGE = 2048, 1920, 16
 HIT_TARGET, OVERHEAD_TARGET = 0.3, 0.05
 UNIQUE = 4           # prompts per zero-reuse round
+SEALED_TARGET = 1.10   # L3-hit TTFT through sealed records vs unsealed ones
 
 
 def make_config() -> PDCacheConfig:
@@ -129,6 +135,32 @@ def measure(label: str, cfg: PDCacheConfig, storage: StorageBackend, repeats: in
     return out
 
 
+def sealed_rows(label: str, cfg: PDCacheConfig, storage: StorageBackend, repeats: int,
+                prompt: list[int]) -> dict[str, Any]:
+    """L3-hit TTFT through sealed records against unsealed ones (``storage.seal: false``),
+    over the same backend, alternating which goes first; medians and best of each."""
+    keys = Keyring.random()
+    stores = {"unsealed": SealedStorage(storage, Sealer(keys, enabled=False)),
+              "sealed": SealedStorage(storage, Sealer(keys))}
+    for i, store in enumerate(stores.values()):
+        hit_round(cfg, store, prompt, -10 - i)            # warm-up
+    times: dict[str, list[float]] = {k: [] for k in stores}
+    for rep in range(repeats):
+        order = list(stores) if rep % 2 == 0 else list(stores)[::-1]
+        for i, name in enumerate(order):
+            times[name].append(hit_round(cfg, stores[name], prompt, 1000 + 2 * rep + i)["l3_hit"])
+    med = {k: statistics.median(v) for k, v in times.items()}
+    out = {"backend": label, "sealed_l3_hit_ttft_s": min(times["sealed"]),
+           "unsealed_l3_hit_ttft_s": min(times["unsealed"]),
+           "median_sealed_l3_hit_ttft_s": med["sealed"],
+           "median_unsealed_l3_hit_ttft_s": med["unsealed"],
+           "sealed_vs_unsealed_ttft": med["sealed"] / med["unsealed"], "samples_s": times}
+    print(f"{label:>12}: L3-hit TTFT sealed {out['sealed_l3_hit_ttft_s'] * 1e3:6.1f} ms vs "
+          f"unsealed {out['unsealed_l3_hit_ttft_s'] * 1e3:6.1f} ms (medians: "
+          f"{out['sealed_vs_unsealed_ttft']:.3f}x; target <= {SEALED_TARGET}x)")
+    return out
+
+
 def with_ray(fn: Callable[[StorageBackend], dict[str, Any]], cfg: PDCacheConfig) -> dict:
     import ray
 
@@ -159,6 +191,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--ray", action="store_true", help="also one StorageTier actor")
+    parser.add_argument("--sealed-only", action="store_true",
+                        help="only sealed vs unsealed L3-hit TTFT (controller_sealed.json)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(SEED)
@@ -167,8 +201,12 @@ def main() -> None:
     prompt = [rng.randrange(cfg.model.vocab_size) for _ in range(PROMPT)]
     print(f"torch threads: {torch.get_num_threads()}  preset: small  prompt: {PROMPT} tokens, "
           f"{CACHED} in L3  page size: {PAGE}  repeats: {args.repeats}")
+    if args.sealed_only:
+        return run_sealed(args, cfg, prompt)
     memory = measure("memory", cfg, make_backend(cfg.storage, cfg.layout), args.repeats,
                      prompt)
+    memory["sealed"] = sealed_rows("memory", cfg, make_backend(cfg.storage, cfg.layout),
+                                   args.repeats, prompt)
     results = {"memory": memory}
     if args.ray:
         results["tier_actor"] = with_ray(
@@ -177,7 +215,7 @@ def main() -> None:
     over_ok = memory["zero_reuse_overhead"] <= OVERHEAD_TARGET
     print(f"target L3 hit TTFT <= {HIT_TARGET}x cold: {'met' if hit_ok else 'NOT met'}; "
           f"zero-reuse overhead <= {OVERHEAD_TARGET:.0%}: {'met' if over_ok else 'NOT met'}")
-    headline = {k: v for k, v in memory.items() if k not in ("samples_s", "counts")}
+    headline = {k: v for k, v in memory.items() if k not in ("samples_s", "counts", "sealed")}
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({
         "benchmark": "controller_l3", "seed": SEED, "preset": "small",
@@ -189,6 +227,21 @@ def main() -> None:
         "by_backend": results,
     }, indent=2) + "\n")
     print(f"wrote {RESULTS.name}")
+
+
+def run_sealed(args: argparse.Namespace, cfg: PDCacheConfig, prompt: list[int]) -> None:
+    rows = {"memory": sealed_rows("memory", cfg, make_backend(cfg.storage, cfg.layout),
+                                  args.repeats, prompt)}
+    if args.ray:
+        rows["tier_actor"] = with_ray(
+            lambda client: sealed_rows("tier_actor", cfg, client, args.repeats, prompt), cfg)
+    out = RESULTS.with_name("controller_sealed.json")
+    out.write_text(json.dumps({"benchmark": "controller_sealed", "seed": SEED,
+                               "preset": "small", "prompt_tokens": PROMPT,
+                               "cached_tokens": CACHED, "repeats": args.repeats,
+                               "target_sealed_vs_unsealed_ttft": SEALED_TARGET, **rows},
+                              indent=2) + "\n")
+    print(f"wrote {out.name}")
 
 
 if __name__ == "__main__":

@@ -35,6 +35,14 @@ at those checkpoints (KV + the trailing ``state``), a read the same with ``batch
 beside it, in the same run and on the same stored pages, the KV-only read (v1 batches of
 the small-batch size, as the transport check).
 
+Sealed rows (1 tier actor, ``storage.batch_pages`` calls): the worker's view of L3
+(``storage.seal.SealedStorage``) three ways over one client, side by side in each
+repetition: unsealed (``storage.seal: false``), sealed with AES-256-GCM, sealed with
+ChaCha20-Poly1305. ``set`` builds, seals and stores the records; ``get`` opens (or
+verifies) them; ``get+copy`` also copies each page into the pool. Keys
+``sealed_get_vs_memcpy``, ``sealed_get_vs_unsealed``, ``sealed_set_vs_memcpy``;
+``--sealed-only`` runs just these rows (``results/storage_sealed.json``).
+
 Capacity pressure (in-process memory backend, no Ray): 32 prompts of 8-16 pages that
 share nothing, room for 40% of their pages, under two eviction orders side by side: the
 previous one (least recently used page first: ``head_first``) and the store's
@@ -45,6 +53,7 @@ writes every prompt once, then asks each for its hit; ``serving`` replays 256 re
 stored.
 
     python benchmarks/bench_storage.py [--repeats R] [--batch-pages B] [--small-batch-pages S]
+                                       [--sealed-only]
 
 Starts its own local Ray cluster (authentication off, no dashboard) and shuts it down.
 """
@@ -69,15 +78,19 @@ import torch
 from pd_cache.app.session import cluster_token
 from pd_cache.core.config import CacheConfig, KVLayout, ModelConfig, PDCacheConfig, StorageConfig
 from pd_cache.core.hashing import namespace_seed, page_hashes
+from pd_cache.core.sealing import Keyring
 from pd_cache.kv.state import checkpoints
 from pd_cache.storage import STATE_POOL, ExtraInfo, PageRecord, PoolTransfer, make_record
 from pd_cache.storage.client import StorageClient
 from pd_cache.storage.eviction import EvictionPolicy, Slot
 from pd_cache.storage.memory import MemoryBackend
+from pd_cache.storage.seal import AEAD, SealedStorage, Sealer
 from pd_cache.storage.tier import ACTOR_ENV, storage_actors
 from pd_cache.tiering.chain import runs
 
 RESULTS = Path(__file__).parent / "results" / "storage.json"
+SEALED_RESULTS = RESULTS.with_name("storage_sealed.json")
+BENCH_TENANT = ExtraInfo(tenant="bench")
 SEED = 1234
 TOTAL_BYTES = 128 << 20
 GB = 1e9
@@ -96,7 +109,7 @@ def config(model: ModelConfig, num_shards: int) -> PDCacheConfig:
 
 
 def chain_records(layout: KVLayout, payloads: list[torch.Tensor], salt: str,
-                  pool: str = "kv") -> list[PageRecord]:
+                  pool: str = "kv", sums: bool = True) -> list[PageRecord]:
     """One record per payload, named in a fresh namespace so every repetition is new."""
     gen = torch.Generator().manual_seed(SEED)
     tokens = torch.randint(0, 32000, (len(payloads) * layout.page_size,), generator=gen).tolist()
@@ -104,7 +117,7 @@ def chain_records(layout: KVLayout, payloads: list[torch.Tensor], salt: str,
     priors = [namespace_seed(None, salt), *names[:-1]]
     ps = layout.page_size
     return [make_record(n, p, tokens[i * ps:(i + 1) * ps], {pool: payloads[i]},
-                        fingerprint=layout.fingerprint)
+                        fingerprint=layout.fingerprint, sums=sums)
             for i, (n, p) in enumerate(zip(names, priors))]
 
 
@@ -514,6 +527,94 @@ def print_pressure(r: dict[str, Any]) -> None:
         print(line)
 
 
+SEALED_STORES = ("unsealed", "sealed", "sealed_chacha")
+
+
+def sealed_stores(client: StorageClient) -> dict[str, SealedStorage]:
+    """The worker's view of L3 three ways, over one client: unsealed (``seal: false``),
+    sealed with AES-256-GCM, sealed with ChaCha20-Poly1305; one cluster keyring."""
+    keys = Keyring.random()
+    return {"unsealed": SealedStorage(client, Sealer(keys, enabled=False)),
+            "sealed": SealedStorage(client, Sealer(keys, aead="aes-256-gcm")),
+            "sealed_chacha": SealedStorage(client, Sealer(keys, aead="chacha20-poly1305"))}
+
+
+def write_through(store: SealedStorage, layout: KVLayout, payloads: list[torch.Tensor],
+                  salt: str, batch_pages: int) -> list[list[bytes]]:
+    """What a worker's write path does with its pages: build each record (checksums when
+    unsealed, none when sealed), seal it (when sealed) and ``batch_set`` it, in batches."""
+    records = chain_records(layout, payloads, salt, sums=not store.seals)
+    names = []
+    for b in in_batches(records, batch_pages):
+        names.append([r.name for r in b])
+        assert all(store.batch_set(names[-1], b, BENCH_TENANT))
+    return names
+
+
+def read_back(store: SealedStorage, names: list[list[bytes]],
+              pool: torch.Tensor | None = None) -> None:
+    """A worker's read path: get (verify or open) and, given a pool, copy each page to it."""
+    slot = 0
+    for batch in names:
+        for rec in store.batch_get(batch, BENCH_TENANT):
+            assert rec is not None
+            if pool is not None:
+                pool[slot].copy_(rec.payload())
+            slot += 1
+
+
+def bench_sealed(payloads: list[torch.Tensor], pool: torch.Tensor, repeats: int,
+                 batch_pages: int) -> dict[str, Any]:
+    """Sealed against unsealed L3, set and get+copy through one tier actor, side by side
+    in each repetition (orders rotated), against the fastest copy of the same run."""
+    cfg = config(BIG_MODEL, 1)
+    handles = storage_actors(cfg)
+    stores = sealed_stores(StorageClient(handles, timeout_s=120))
+    times: dict[str, list[float]] = {}
+    try:
+        for rep in range(repeats + 1):
+            order = SEALED_STORES[rep % 3:] + SEALED_STORES[:rep % 3]
+            run = {}
+            for label in order:
+                start = time.perf_counter()
+                names = write_through(stores[label], cfg.layout, payloads,
+                                      f"sealed-{label}-{rep}", batch_pages)
+                run[f"{label}_set"] = time.perf_counter() - start
+                run[f"{label}_get"] = timed(read_back, stores[label], names)
+                run[f"{label}_get_copy"] = timed(read_back, stores[label], names, pool)
+                assert torch.equal(pool[-1].view(torch.uint8), payloads[-1].view(torch.uint8))
+            run.update({k: timed(copy, payloads, pool) for k, copy in COPIES.items()})
+            for k, t in run.items():
+                if rep:
+                    times.setdefault(k, []).append(t)
+    finally:
+        kill_all(handles)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    memcpy = min(med[k] for k in COPIES)
+    out: dict[str, Any] = {f"{k}_gbps": TOTAL_BYTES / t / GB for k, t in med.items()}
+    for label in SEALED_STORES:
+        for op in ("get", "get_copy", "set"):
+            out[f"{label}_{op}_vs_memcpy"] = memcpy / med[f"{label}_{op}"]
+    for label in ("sealed", "sealed_chacha"):
+        for op in ("get", "get_copy", "set"):
+            out[f"{label}_{op}_vs_unsealed"] = med[f"unsealed_{op}"] / med[f"{label}_{op}"]
+    out.update(memcpy_gbps=TOTAL_BYTES / memcpy / GB, batch_pages=batch_pages,
+               repeats=repeats, aead=AEAD)
+    return out
+
+
+def print_sealed(r: dict[str, Any]) -> None:
+    print(f"sealed L3 (1 shard): memcpy {r['memcpy_gbps']:.2f} GB/s | " + " | ".join(
+        f"{label} set {r[f'{label}_set_gbps']:.2f} GB/s ({r[f'{label}_set_vs_memcpy']:.3f}x), "
+        f"get {r[f'{label}_get_gbps']:.2f} GB/s ({r[f'{label}_get_vs_memcpy']:.2f}x), "
+        f"get+copy {r[f'{label}_get_copy_gbps']:.2f} GB/s "
+        f"({r[f'{label}_get_copy_vs_memcpy']:.2f}x)" for label in SEALED_STORES))
+    print(f"sealed vs unsealed: get {r['sealed_get_vs_unsealed']:.2f}x, set "
+          f"{r['sealed_set_vs_unsealed']:.2f}x (chacha: get "
+          f"{r['sealed_chacha_get_vs_unsealed']:.2f}x, set "
+          f"{r['sealed_chacha_set_vs_unsealed']:.2f}x)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -523,6 +624,8 @@ def main() -> None:
     parser.add_argument("--small-batch-pages", type=int, default=16,
                         help="pages per call of the small-batch row (1 shard): where Ray's "
                              "cost per call shows")
+    parser.add_argument("--sealed-only", action="store_true",
+                        help="only the sealed vs unsealed rows (into storage_sealed.json)")
     args = parser.parse_args()
     import ray
 
@@ -530,22 +633,43 @@ def main() -> None:
         ray.init(address="local", num_cpus=2, include_dashboard=False,
                  logging_level="WARNING", runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
         try:
-            results = run(args)
+            results = run_sealed(args) if args.sealed_only else run(args)
         finally:
             ray.shutdown()
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    out = SEALED_RESULTS if args.sealed_only else RESULTS
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {out}")
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def big_pages() -> tuple[list[torch.Tensor], torch.Tensor]:
+    """128 MiB of the big layout's pages (seeded) and a faulted-in pool to copy them to."""
     torch.manual_seed(SEED)
     layout = config(BIG_MODEL, 1).layout
-    page_bytes = layout.page_nbytes
-    n = TOTAL_BYTES // page_bytes
+    n = TOTAL_BYTES // layout.page_nbytes
     payloads = [torch.randn(layout.page_shape).to(torch.bfloat16) for _ in range(n)]
     pool = torch.empty((n, *layout.page_shape), dtype=torch.bfloat16)
     copy_pages(payloads, pool)  # fault the pool in before anything is timed
+    return payloads, pool
+
+
+def run_sealed(args: argparse.Namespace) -> dict[str, Any]:
+    payloads, pool = big_pages()
+    r = bench_sealed(payloads, pool, args.repeats, args.batch_pages)
+    print_sealed(r)
+    return {"seed": SEED, "total_bytes": TOTAL_BYTES, **sealed_keys(r), "sealed": r}
+
+
+def sealed_keys(r: dict[str, Any]) -> dict[str, float]:
+    return {"sealed_get_vs_memcpy": r["sealed_get_vs_memcpy"],
+            "sealed_get_vs_unsealed": r["sealed_get_vs_unsealed"],
+            "sealed_set_vs_memcpy": r["sealed_set_vs_memcpy"]}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    payloads, pool = big_pages()
+    layout = config(BIG_MODEL, 1).layout
+    page_bytes, n = layout.page_nbytes, len(payloads)
     results: dict[str, Any] = {
         "seed": SEED, "total_bytes": TOTAL_BYTES, "page_bytes": page_bytes, "pages": n,
         "batch_pages": args.batch_pages, "small_batch_pages": args.small_batch_pages,
@@ -588,6 +712,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                 args.repeats, args.small_batch_pages)
     print("transport (actor -> driver): " + ", ".join(f"{k} {v:.2f}"
                                                      for k, v in transport.items()))
+    results["sealed"] = bench_sealed(payloads, pool, args.repeats, args.batch_pages)
+    print_sealed(results["sealed"])
+    results.update(sealed_keys(results["sealed"]))
     results["capacity_pressure"] = bench_capacity_pressure()
     print_pressure(results["capacity_pressure"])
     one = results["shards"]["1"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pd_cache.cluster.keys import ClusterKeys
 from pd_cache.cluster.router import PrefixRouter
 from pd_cache.core.cluster_config import ClusterConfig
 from pd_cache.core.config import PDCacheConfig
@@ -14,9 +15,9 @@ from pd_cache.core.wire import PageNames, WorkerState
 NAMESPACE = "pd-cache"   # the Ray namespace of named (detached) clusters
 
 
-class ClusterOperations:
+class ClusterOperations(ClusterKeys):
     """Operator views of the actors a ``PDCluster`` holds (``prefill``, ``decode``,
-    ``storage``); mixed into ``PDCluster``."""
+    ``storage``), and its L3 keys (``ClusterKeys``); mixed into ``PDCluster``."""
 
     config: ClusterConfig
     pd: PDCacheConfig

@@ -59,15 +59,17 @@ class PDCluster(ClusterOperations):
                          "decode": Liveness("decode", self.decode, self.decode_router)}
 
     @classmethod
-    def start(cls, config: ClusterConfig, name: str | None = None) -> PDCluster:
-        """Create the actors (``ray.init()`` first if this process has not) and wait for them.
+    def start(cls, config: ClusterConfig, name: str | None = None, *,
+              secret: bytes | None = None) -> PDCluster:
+        """Create the actors (``ray.init()`` first if need be) and wait for them; their L3
+        keys derive from ``secret`` (``pd_cache.core.sealing.cluster_keyring``).
 
         With ``name`` the actors are named and detached (Ray namespace ``pd-cache``): they
-        outlive this process, and a later ``start`` with the same name attaches to them.
-        ``destroy(name)`` removes them.
-        """
+        outlive this process, and a later ``start`` with the same name attaches to them
+        (``destroy(name)`` removes them)."""
         import ray
 
+        from pd_cache.core.sealing import cluster_keyring
         from pd_cache.model.digest import with_weights_digest
         from pd_cache.storage.tier import ShardName, storage_actors
         from pd_cache.worker.actors import decode_actor, prefill_actor
@@ -88,6 +90,7 @@ class PDCluster(ClusterOperations):
                    if config.with_storage else [])
         shard_names = [ShardName(f"{shards}-{i}", NAMESPACE) for i in range(len(storage))]
         opts = {"threads": config.threads, "num_cpus": config.actor_cpus,
+                "keyring": cluster_keyring(secret),
                 "storage_timeout_s": config.storage_timeout_s,
                 "max_restarts": config.worker_restarts}
         prefill = [prefill_actor(pd, i, shard_names, actor=named("prefill", i), **opts)

@@ -143,7 +143,9 @@ class StorageConfig:
 
     ``disk_reserve``: the free space the ``disk`` backend keeps on its filesystem, evicting
     tails first to keep it and refusing (``refused/disk_full``) what would eat into it: a
-    fraction of the filesystem's size below 1, else bytes.
+    fraction of the filesystem's size below 1, else bytes. ``seal``: workers seal every
+    record they write (``pd_cache.storage.seal``); ``False`` only for a benchmark's
+    unsealed baseline.
     """
 
     enabled: bool = True
@@ -159,6 +161,7 @@ class StorageConfig:
     prefetch_timeout_max_s: float = 2.0
     prefix_keys: bool = True
     metrics_interval_s: float = 5.0
+    seal: bool = True
 
     def __post_init__(self) -> None:
         one_of("storage.backend", self.backend, tuple(sorted(STORAGE_BACKENDS)))

@@ -104,6 +104,9 @@ class Req(msgspec.Struct, kw_only=True, dict=True):
     sampling: SamplingParams = SamplingParams()
     output_ids: list[int] = []
     deadline: float | None = None
+    # NOTE: set by the server from the API key ("" in open mode and for direct PDCluster
+    # callers); it picks the key that seals the request's L3 pages (core.sealing).
+    tenant: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.rid, str) or not self.rid:
@@ -121,6 +124,8 @@ class Req(msgspec.Struct, kw_only=True, dict=True):
             self.input_ids = buf.tolist()
         check_namespace("extra_key", self.extra_key)
         check_namespace("cache_salt", self.cache_salt)
+        if self.tenant != "":
+            check_namespace("tenant", self.tenant)
         if (isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int)
                 or self.max_new_tokens < 0):
             raise ValueError(f"max_new_tokens: expected an int >= 0, got "
@@ -180,7 +185,7 @@ class Req(msgspec.Struct, kw_only=True, dict=True):
         return Req(rid=self.rid, input_ids=self.input_ids + list(sent),
                    extra_key=self.extra_key, cache_salt=self.cache_salt,
                    max_new_tokens=self.max_new_tokens - len(sent), sampling=sampling,
-                   deadline=self.deadline)
+                   deadline=self.deadline, tenant=self.tenant)
 
     @property
     def namespace(self) -> tuple[str | None, str | None]:

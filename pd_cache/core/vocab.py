@@ -33,6 +33,7 @@ class MissReason(str, Enum):
     STORAGE_ERROR = "storage_error"
     CROSS_NAMESPACE = "cross_namespace"   # produced under another namespace seed: refused
     DISK_FULL = "disk_full"   # refused: storing it would eat the disk's free-space reserve
+    KEY_RETIRED = "key_retired"   # sealed under a retired (or purged tenant's) key
 
 
 class Event(str, Enum):

@@ -40,13 +40,13 @@ from typing import Any
 import msgspec
 from ray import serve
 
-from pd_cache.cluster.health import WorkerDied
 from pd_cache.cluster.pd_cluster import PDCluster
-from pd_cache.cluster.router import NoLiveWorker
-from pd_cache.core.request import DeadlineExceeded, Req, SamplingParams
+from pd_cache.core.request import Req, SamplingParams
 from pd_cache.core.wire import Completion
 from pd_cache.front import openai
+from pd_cache.front.admin import keys_call, purged_tenant
 from pd_cache.front.app_args import AppArgs, IngressConfig
+from pd_cache.front.flow import Admission, Place, primed, unavailable
 from pd_cache.front.guard import TenantGuard
 from pd_cache.front.hf_tokenizer import tokenizer_for
 from pd_cache.front.http import HTTPError, check_rid, decode_json, read_body, value_error
@@ -88,11 +88,14 @@ class PDCacheIngress:
             log.warning("no API keys: serving in open mode (clients choose their namespace)")
         self.guard = TenantGuard(self.tenants, args.ingress.ingress_replicas)   # rates, usage
         # NOTE: a named cluster's actors are detached: a restarted replica attaches to them.
-        self.cluster = PDCluster.start(args.cluster, name=args.ingress.cluster_name)
+        # NOTE: one secret for tenant salts and L3 keys; open mode draws a random one.
+        secret = self.tenants.secret if self.tenants is not None else None
+        self.cluster = PDCluster.start(args.cluster, name=args.ingress.cluster_name,
+                                       secret=secret)
         self.model = args.cluster.model
         # NOTE: a checkpoint's own tokenizer and chat template; the byte one for presets.
         self.tokenizer = tokenizer_for(self.cluster.pd.model)
-        self._pending = 0
+        self.admission = Admission(args.max_pending)
         self._idle_trim = IdleTrim(malloc_trim())   # a burst's freed heap goes back after it
 
     async def __call__(self, request: Any) -> Any:
@@ -110,7 +113,11 @@ class PDCacheIngress:
                   "/v1/chat/completions": ("POST", self.chat),
                   "/v1/generate": ("POST", self.generate),
                   "/v1/models": ("GET", self.models), "/healthz": ("GET", self.health),
-                  "/admin/drop_caches": ("POST", self.drop_caches)}
+                  "/admin/drop_caches": ("POST", self.drop_caches),
+                  "/admin/keys/rotate": ("POST", self.keys), "/admin/keys/retire":
+                  ("POST", self.keys)}
+        if purged_tenant(path) is not None:
+            routes[path] = ("POST", self.keys)
         if path not in routes:
             raise HTTPError(404, f"no route {path!r}; try one of {sorted(routes)}", None,
                             "not_found")
@@ -147,6 +154,16 @@ class PDCacheIngress:
         dropped = await asyncio.to_thread(self.cluster.drop_caches)
         return _json(200, {"dropped_pages": dropped})
 
+    async def keys(self, request: Any) -> Any:
+        """Rotate or retire the L3 keys, or purge a tenant (``front.admin``); admin keys."""
+        if not self._tenant(request).admin:
+            raise HTTPError(403, "L3 keys need an admin key", "authorization",
+                            "permission_denied")
+        path = request.url.path.rstrip("/")
+        tenant = purged_tenant(path)
+        action = "purge" if tenant is not None else path.rsplit("/", 1)[-1]
+        return _json(200, await keys_call(self.cluster, action, tenant))
+
     async def generate(self, request: Any) -> Any:
         tenant = self._tenant(request)
         body = decode_json(await read_body(request, self.args.max_body_bytes), GenerateBody)
@@ -157,7 +174,7 @@ class PDCacheIngress:
             raise HTTPError(400, str(exc), "stop_token_ids", "invalid_value") from None
         req, rid = self._request(tenant, body.input_ids, body.max_new_tokens, sampling,
                                  body.cache_salt, body.extra_key, body.rid)
-        with self._admitted():
+        with self.admission.place():
             out = await self._complete(req)
         self.guard.served(tenant, out)
         cached = dict(out.cached_tokens) if tenant.admin else \
@@ -183,7 +200,7 @@ class PDCacheIngress:
         rid = openai.request_id(chat)
         if body.stream:
             return self._sse(req, rid, chat, tenant, body.include_usage, received_ns)
-        with self._admitted():
+        with self.admission.place():
             out = await self._complete(req)
         self.guard.served(tenant, out)
         text = self.tokenizer.decode(out.output_ids)
@@ -239,18 +256,12 @@ class PDCacheIngress:
         fields = {"rid": shown if rid is None else f"{rid}#{tag}", "input_ids": ids,
                   "max_new_tokens": max_new,
                   "sampling": sampling, "cache_salt": salt, "extra_key": extra_key,
-                  "deadline": time.time() + self.args.request_timeout_s}
+                  "deadline": time.time() + self.args.request_timeout_s,
+                  "tenant": tenant.name}
         try:
             return self.cluster.admit(fields), shown
         except ValueError as exc:
             raise value_error(exc, names) from None
-
-    def _admitted(self) -> Any:
-        """Hold one of ``max_pending`` places; 429 with ``Retry-After`` when none is free."""
-        if self._pending >= self.args.max_pending:
-            raise HTTPError(429, f"{self._pending} requests pending; retry shortly", None,
-                            "overloaded", {"Retry-After": "1"})
-        return _Place(self)
 
     async def _complete(self, req: Req) -> Completion:
         try:
@@ -259,24 +270,24 @@ class PDCacheIngress:
         except ValueError as exc:
             raise value_error(exc) from None
         except Exception as exc:  # noqa: BLE001  (a dead worker, a deadline, a failed task)
-            raise _unavailable(req, exc) from None
+            raise unavailable(req, exc) from None
 
     def _sse(self, req: Req, rid: str, chat: bool, tenant: Tenant, with_usage: bool,
              received_ns: int) -> Any:
         from starlette.responses import StreamingResponse
 
-        place = self._admitted()   # refused (429) before the stream starts, held until it ends
+        place = self.admission.place()   # 429 before the stream starts; held until it ends
         hops = {"received_ns": received_ns}
         # NOTE: the prefill starts now, while Serve sets the response up, not once it first
         # asks the body for a chunk (a body never read leaves it unanswered: no decode).
         items = self.cluster.stream(req)
         first = asyncio.ensure_future(anext(items))
         return StreamingResponse(self._events(req, rid, chat, tenant, with_usage, place, hops,
-                                              _primed(first, items)),
+                                              primed(first, items)),
                                  media_type="text/event-stream")
 
     async def _events(self, req: Req, rid: str, chat: bool, tenant: Tenant, with_usage: bool,
-                      place: _Place, hops: dict[str, int],
+                      place: Place, hops: dict[str, int],
                       items: AsyncIterator[int | Completion]) -> AsyncIterator[str]:
         chunks, text = openai.Chunks(rid, self.model, chat), self.tokenizer.stream()
         with place:
@@ -293,7 +304,7 @@ class PDCacheIngress:
                             hops["first_token_ns"] = time.time_ns()
                         yield chunks.token(text.feed(item), item)
             except Exception as exc:  # noqa: BLE001 - the stream ends with an error event
-                yield openai.error_event(_unavailable(req, exc).body())
+                yield openai.error_event(unavailable(req, exc).body())
             yield openai.DONE
 
     def __del__(self) -> None:
@@ -302,44 +313,6 @@ class PDCacheIngress:
         cluster = getattr(self, "cluster", None)
         if cluster is not None and self.args.cluster_name is None:
             cluster.shutdown(check=False)
-
-
-class _Place:
-    """One admitted request: counted while held."""
-
-    def __init__(self, ingress: PDCacheIngress) -> None:
-        self.ingress = ingress
-        ingress._pending += 1
-        self._held = True
-
-    def __enter__(self) -> _Place:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._held:
-            self._held = False
-            self.ingress._pending -= 1
-
-
-async def _primed(first: asyncio.Future[Any], rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    """``first``'s item, then ``rest``'s; a consumer that stops early cancels ``first``."""
-    try:
-        yield await first
-        async for item in rest:
-            yield item
-    finally:
-        first.cancel()
-
-
-def _unavailable(req: Req, exc: BaseException) -> HTTPError:
-    if isinstance(exc, ValueError):
-        return value_error(exc)
-    if isinstance(exc, (asyncio.TimeoutError, DeadlineExceeded)):
-        return HTTPError(503, "no answer before the request's deadline", None, "timeout")
-    if isinstance(exc, (NoLiveWorker, WorkerDied)):
-        return HTTPError(503, str(exc), None, "unavailable")
-    log.warning("request %s failed: %s: %s", req.rid, type(exc).__name__, exc)
-    return HTTPError(503, f"internal fault: {type(exc).__name__}", None, "internal")
 
 
 def app_builder(args: Mapping[str, Any] | None = None) -> Any:

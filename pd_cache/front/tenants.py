@@ -18,13 +18,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-import secrets
 from pathlib import Path
 
+from pd_cache.core.sealing import SECRET_ENV, read_or_create_secret
 from pd_cache.front.keyfile import Tenant, TenantLimits, parse_key_file
 
 KEYS_ENV = "PD_CACHE_API_KEYS_FILE"
-SECRET_ENV = "PD_CACHE_SECRET_FILE"
 
 
 class Unauthorized(Exception):
@@ -49,6 +48,11 @@ class Tenants:
     def names(self) -> tuple[str, ...]:
         """Every tenant of the key file, sorted: the only values a tenant label takes."""
         return tuple(sorted({t.name for t in self._by_digest.values()}))
+
+    @property
+    def secret(self) -> bytes:
+        """The server secret: the cluster's L3 keys derive from it too (core.sealing)."""
+        return self._secret
 
     @classmethod
     def from_file(cls, keys_file: str | os.PathLike[str],
@@ -76,20 +80,6 @@ class Tenants:
         return hmac.new(self._secret, message, hashlib.sha256).hexdigest()
 
 
-def read_or_create_secret(path: Path) -> bytes:
-    """The secret in ``path``; a new random one, written 0600, if the file is absent."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        text = path.read_text().strip()
-        try:
-            return bytes.fromhex(text)
-        except ValueError:
-            raise ValueError(f"secret file {path}: expected hex") from None
-    secret = secrets.token_bytes(32)
-    with os.fdopen(fd, "w") as f:
-        f.write(secret.hex() + "\n")
-    return secret
 
 
 def _digest(key: str) -> bytes:

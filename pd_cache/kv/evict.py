@@ -41,6 +41,16 @@ class Evicting:
         self.evict(Tier.DEVICE, self.device.capacity)
         self.evict(Tier.HOST, self.host.capacity)
 
+    def drop_where(self, doomed: Callable[[Node], bool]) -> int:
+        """Drop from both tiers every unlocked page ``doomed`` names, with the pages after
+        it (a purged tenant's); pages a request holds stay. How many pages went."""
+        dropped = 0
+        for node in list(iter_nodes(self.root)):   # parents first: a dropped one's
+            if node.attached and node.lock_ref == 0 and doomed(node):   # children go with it
+                dropped += sum(1 for _ in iter_nodes(node)) + 1
+                self._drop_subtree(node)
+        return dropped
+
     def _evict(self, n: int, evictable: Callable[[Node], bool],
                release: Callable[[Node], None]) -> int:
         heap = [_entry(x) for x in iter_nodes(self.root) if evictable(x)]

@@ -38,12 +38,14 @@ class ExtraInfo(msgspec.Struct, frozen=True, gc=False):
     operation's keys are its longest key list (the KV pool's), a sidecar pool may cover
     only a trailing run of them and its priors are the operation's at those positions.
     Accumulate it per batch as ``prefix_keys = prefix_keys + batch``: never mutate a list
-    already handed over. ``request_id`` only labels log lines.
+    already handed over. ``request_id`` only labels log lines. ``tenant`` names whose
+    key seals the pages (``pd_cache.storage.seal``, which drops it before a store sees it).
     """
 
     prefix_keys: Sequence[Key] | None = None
     namespace_seed: bytes | None = None
     request_id: str | None = None
+    tenant: str | None = None
 
 
 class PoolTransfer(msgspec.Struct, frozen=True, gc=False):
@@ -174,6 +176,7 @@ class StorageBackend(ABC):
     """
 
     checksums_in_reader = False
+    seals = False   # records are sealed on the way in: their writers compute no checksums
 
     algo: str = "xxh3_128"
 
@@ -204,6 +207,11 @@ class StorageBackend(ABC):
         ``False`` if refused. The store copies what it keeps: the caller may reuse its
         buffers when this returns. Storing may evict records (chain tails first).
         """
+
+    def discard_v2(self, pool: str, keys: Sequence[Key]) -> int:
+        """Delete ``keys``' records a reader found bad (a failed tag, a retired key), counted
+        ``verification_failed``; how many (the sharded client does not wait: 0)."""
+        return 0
 
     @abstractmethod
     def stats(self) -> dict[str, int]:
@@ -254,6 +262,22 @@ class StorageBackend(ABC):
         _same_length(keys, records)
         return self.submit_set_v2([PoolTransfer(KV_POOL, keys, records)], extra_info).then(
             _first)
+
+
+class SubmittedBackend(StorageBackend):
+    """A backend that implements ``submit_*_v2``; each sync call waits for its submit."""
+
+    def batch_exists_v2(self, transfers: Sequence[PoolTransfer],
+                        extra_info: ExtraInfo | None = None) -> PoolHits:
+        return self.submit_exists_v2(transfers, extra_info).result()
+
+    def batch_get_v2(self, transfers: Sequence[PoolTransfer],
+                     extra_info: ExtraInfo | None = None) -> list[PoolTransfer]:
+        return self.submit_get_v2(transfers, extra_info).result()
+
+    def batch_set_v2(self, transfers: Sequence[PoolTransfer],
+                     extra_info: ExtraInfo | None = None) -> list[list[bool]]:
+        return self.submit_set_v2(transfers, extra_info).result()
 
 
 def usable_prefix(transfers: Sequence[PoolTransfer]) -> int:

@@ -11,15 +11,11 @@ split per shard, sent to all of them at once and merged back in key order::
 Expected priors are computed here, over the whole batch, and sent with each shard's
 keys, so the chain check holds although no shard sees consecutive keys.
 
-A ``memory`` shard answers a get with refs to blocks of records (``pd_cache.storage
-.shared``): the client maps them from the node's object store in one call and verifies
-each record itself before returning it (``pd_cache.storage.reader``: checksums on a few
-threads for a large batch); a record that fails is a miss and the shard is told to
-discard it.
-
-The misses only a reader sees (a shard that timed out or failed, a lent record that did
-not verify) are counted in the client's ``Stats`` and, inside a Ray worker, exported as
-``pd_cache_storage_misses_total`` by reason; each shard exports what it saw itself.
+A ``memory`` shard answers a get with refs to blocks of records (``storage.shared``),
+mapped here in one call and verified before use (``storage.reader``); a record that fails
+is a miss and the shard is told to discard it. The misses only a reader sees (a shard that
+timed out or failed, a record that did not verify) are counted in the client's ``Stats``
+and, in a Ray worker, exported as ``pd_cache_storage_misses_total`` by reason.
 """
 
 from __future__ import annotations
@@ -40,10 +36,10 @@ from pd_cache.storage.base import (
     PoolHits,
     PoolTransfer,
     ShardFault,
-    StorageBackend,
+    SubmittedBackend,
     Usage,
 )
-from pd_cache.storage.batch import Batch, check_batch, usable_hits
+from pd_cache.storage.batch import Batch, check_batch, normalize_keys, usable_hits
 from pd_cache.storage.reader import Checksummer, Received, receive, remaining
 from pd_cache.storage.record import CHECKPOINT_POOLS
 
@@ -67,7 +63,7 @@ def rendezvous(name: bytes, num_shards: int) -> int:
     return max(range(num_shards), key=lambda s: xxhash.xxh3_64_intdigest(name, seed=s))
 
 
-class StorageClient(StorageBackend):
+class StorageClient(SubmittedBackend):
     """Spreads pages over tier actors; sync calls wait at most ``timeout_s`` seconds.
 
     ``handles`` must be in the same order in every process (shard ``i`` is ``handles[i]``).
@@ -75,11 +71,10 @@ class StorageClient(StorageBackend):
     are misses, counted here by reason (``storage_error`` / ``timeout``), and the
     ``submit_*`` variants list it in :attr:`Pending.faults`.
 
-    Records a shard lends by reference are verified here against ``layout`` (the shard's
-    own layout when ``None``); received payloads are read-only views of shared memory.
-    ``metrics`` receives the misses counted here (default: Ray's, inside a Ray worker).
-    ``verify_threads``: threads that checksum a large answer side by side (default: the
-    cores this process may use, at most 4; 1 hashes inline).
+    Records a shard lends are verified here against ``layout`` (``None``: the shard's);
+    received payloads are read-only views of shared memory. ``metrics`` receives the
+    misses counted here (default: Ray's, inside a Ray worker). ``verify_threads``: threads
+    that checksum a large answer side by side (default: this process's cores, at most 4).
     """
 
     # NOTE: every record a shard answers with, lent or sent by value, is verified here
@@ -112,18 +107,6 @@ class StorageClient(StorageBackend):
         return cls(storage_actors(config, name, detached=detached, **options),
                    algo=config.cache.hash_algo, timeout_s=timeout_s, layout=config.layout)
 
-    # -- sync: submit and wait --------------------------------------------------------------
-    def batch_exists_v2(self, transfers: Sequence[PoolTransfer],
-                        extra_info: ExtraInfo | None = None) -> PoolHits:
-        return self.submit_exists_v2(transfers, extra_info).result()
-
-    def batch_get_v2(self, transfers: Sequence[PoolTransfer],
-                     extra_info: ExtraInfo | None = None) -> list[PoolTransfer]:
-        return self.submit_get_v2(transfers, extra_info).result()
-
-    def batch_set_v2(self, transfers: Sequence[PoolTransfer],
-                     extra_info: ExtraInfo | None = None) -> list[list[bool]]:
-        return self.submit_set_v2(transfers, extra_info).result()
 
     # -- async ------------------------------------------------------------------------------
     def submit_exists_v2(self, transfers: Sequence[PoolTransfer],
@@ -159,6 +142,16 @@ class StorageClient(StorageBackend):
         merge = _merger(batches, plan, False, lambda b, acks: acks)
         return _FanOut(refs, merge, self._fault_counter(plan, Event.REFUSED), self.timeout_s)
 
+    def discard_v2(self, pool: str, keys: Sequence[bytes | str]) -> int:
+        """Ask each shard to delete its share of ``keys`` (not waited for: returns 0)."""
+        for key in normalize_keys(keys, self.algo):   # rare: one call per key
+            self.handles[self.shard_of(key)].discard_v2.remote(pool, [key])
+        return 0
+
+    def reclaim(self, owners: Sequence[bytes] = (), below: int = 0) -> int:
+        """Every shard's ``reclaim`` (purged owners, retired versions); records deleted."""
+        return sum(self._gather("reclaim", list(owners), below))
+
     # -- counts -----------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
         """This client's fault counts plus every reachable shard's counts."""
@@ -173,8 +166,8 @@ class StorageClient(StorageBackend):
         return Usage(sum(u.records for u in usages), sum(u.bytes for u in usages),
                      sum(u.capacity_bytes for u in usages))
 
-    def _gather(self, method: str) -> list[Any]:
-        refs = {s: getattr(h, method).remote() for s, h in enumerate(self.handles)}
+    def _gather(self, method: str, *args: Any) -> list[Any]:
+        refs = {s: getattr(h, method).remote(*args) for s, h in enumerate(self.handles)}
         answers = _FanOut(refs, lambda a: a, lambda fault: None, self.timeout_s).result()
         return [answers[s] for s in sorted(answers)]
 

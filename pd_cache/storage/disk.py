@@ -33,7 +33,6 @@ at start.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import stat
 import struct
@@ -49,13 +48,14 @@ from pd_cache.core.fields import DISK_RESERVE, check_disk_reserve, disk_reserve_
 from pd_cache.core.vocab import Event, MissReason
 from pd_cache.storage.local import LocalBackend, Refusal, Slot, refusal_of
 from pd_cache.storage.record import (
-    DTYPES,
     PageRecord,
     RecordHeader,
     as_bytes,
     decode_header,
     encode_header,
     header_problem,
+    stored_nbytes,
+    typed,
 )
 
 log = logging.getLogger(__name__)
@@ -282,14 +282,11 @@ def _offsets(header: RecordHeader, header_len: int) -> tuple[list[int], int]:
     for entry in header.pools:
         start = -(-end // ALIGN) * ALIGN
         offsets.append(start)
-        end = start + _nbytes(entry.dtype, entry.shape)
+        size = stored_nbytes(entry, header.seal is not None)
+        if size < 0:
+            raise ValueError(f"bad payload description {entry.dtype}{list(entry.shape)}")
+        end = start + size
     return offsets, end
-
-
-def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
-    if dtype not in DTYPES or any(d < 0 for d in shape):
-        raise ValueError(f"bad payload description {dtype}{list(shape)}")
-    return math.prod(shape) * DTYPES[dtype].itemsize
 
 
 def _read_header(path: Path) -> tuple[RecordHeader, int] | None:
@@ -327,9 +324,10 @@ def _parse(buf: np.ndarray) -> PageRecord | None:
     if end != len(buf):
         return None
     payloads = []
+    sealed = header.seal is not None
     for offset, entry in zip(offsets, header.pools):
-        raw = torch.from_numpy(buf[offset:offset + _nbytes(entry.dtype, entry.shape)])
-        payloads.append(raw.view(DTYPES[entry.dtype]).view(entry.shape))
+        raw = torch.from_numpy(buf[offset:offset + stored_nbytes(entry, sealed)])
+        payloads.append(typed(raw, entry, sealed))
     return PageRecord(header, tuple(payloads))
 
 

@@ -9,14 +9,13 @@ order in which records go: the least recently used chain first, from its tail.
 
 from __future__ import annotations
 
-import errno
 import logging
 import threading
 from abc import abstractmethod
 from collections import OrderedDict
 from collections.abc import Container, Iterable, Sequence
 from itertools import chain
-from typing import NamedTuple, Self
+from typing import Self
 
 from pd_cache.core.config import KVLayout, StorageConfig
 from pd_cache.core.hashing import DIGEST_SIZES
@@ -24,8 +23,15 @@ from pd_cache.core.stats import Stats
 from pd_cache.core.vocab import Event, MissReason
 from pd_cache.storage.base import ExtraInfo, PoolHits, PoolTransfer, StorageBackend, Usage
 from pd_cache.storage.batch import Batch, check_batch, normalize_keys, usable_hits
+from pd_cache.storage.entries import Entry, Link, Refusal, key_of, refusal_of
 from pd_cache.storage.eviction import EvictionPolicy, Slot, TailFirst
-from pd_cache.storage.record import CHECKPOINT_POOLS, PageRecord, RecordHeader, verify
+from pd_cache.storage.record import (
+    CHECKPOINT_POOLS,
+    PageRecord,
+    RecordHeader,
+    check_pool_name,
+    verify,
+)
 
 log = logging.getLogger(__name__)
 
@@ -36,31 +42,6 @@ GHOSTS = 65536
 # NOTE: a shard holds about one page in num_shards of a chain: the nearest earlier page it
 # holds is a few names back. Past this many, a new page starts a chain of its own.
 LINK_SCAN = 64
-
-
-class Entry(NamedTuple):
-    header: RecordHeader
-    nbytes: int
-
-
-class Refusal(NamedTuple):
-    """Why a record indexed for a batch could not be written: counted ``refused/<reason>``."""
-
-    reason: MissReason
-    detail: str
-
-
-def refusal_of(error: OSError) -> Refusal:
-    """A failed write, as a refusal: a full filesystem (or quota) is ``disk_full``."""
-    full = error.errno in (errno.ENOSPC, errno.EDQUOT)
-    return Refusal(MissReason.DISK_FULL if full else MissReason.STORAGE_ERROR, str(error))
-
-
-class Link(NamedTuple):
-    """Where a new page hangs in its chain: ``parent``, and whether that was just evicted."""
-
-    parent: Slot
-    orphan: bool
 
 
 class LocalBackend(StorageBackend):
@@ -152,6 +133,25 @@ class LocalBackend(StorageBackend):
                 self._remove(slot)
             self._ghosts.clear()
             return len(slots)
+
+    def discard_v2(self, pool: str, keys: Sequence[bytes | str]) -> int:
+        slots = [(check_pool_name(pool), k) for k in normalize_keys(keys, self.algo)]
+        with self._lock:
+            gone = [slot for slot in slots if slot in self._index]
+            for slot in gone:
+                self._remove(slot)
+                self._stats.count(Event.VERIFICATION_FAILED)
+        return len(gone)
+
+    def reclaim(self, owners: Container[bytes] = (), below: int = 0) -> int:
+        """Delete every sealed record of one of ``owners`` (purged tenants) or sealed under
+        a key version below ``below`` (retired); how many. Not eviction: not counted."""
+        with self._lock:
+            gone = [slot for slot, e in self._index.items() if e.header.seal is not None
+                    and (e.header.seal.owner in owners or e.header.seal.version < below)]
+            for slot in gone:
+                self._remove(slot)
+        return len(gone)
 
     def stats(self) -> dict[str, int]:
         return self._stats.snapshot()
@@ -283,9 +283,11 @@ class LocalBackend(StorageBackend):
             log.warning("refusing L3 record %s/%s: %s", slot[0], slot[1].hex(), problem)
             self._stats.count(Event.REFUSED, MissReason.VERIFICATION_FAILED)
             return False
-        if slot in self._index:  # names are content addresses: same name, same page
-            self._policy.touch(slot)
+        if slot in self._index and key_of(self._index[slot].header) == key_of(record.header):
+            self._policy.touch(slot)   # names are content addresses: same name, same page
             return True
+        if slot in self._index:   # sealed under another key (rotated, purged): replaced
+            self._remove(slot)
         # NOTE: only a page the caller vouched for as the next of its chain (a prior to
         # check) may hang from the pages before it in ``names``; otherwise, its prior.
         here = at + i

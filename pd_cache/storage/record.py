@@ -2,20 +2,18 @@
 
     record = RecordHeader (msgspec) + one payload tensor per pool, in ``header.pools`` order
 
-The header carries the page's identity (layout fingerprint, name, prior name, hash algo,
-and the namespace seed of the request that produced it) and, per pool, its dtype, shape
-and an xxh3-64 checksum of its bytes. It never carries the page's token ids: L3 holds KV,
-never prompts in clear. The writer, which has the tokens, checks ``name == H(prior ||
-u32le(tokens))`` when it builds the record (:func:`make_record`); the reader, which has
-its own request's tokens, checks the name against them (:func:`verify` with ``tokens``),
-so a record filed under a name that is not its reader's page cannot pass. The tier, which
-has no tokens, checks everything else. The seed lets a reader audit the namespace without
-trusting the lookup that found the record.
+The header carries the page's identity (layout fingerprint, name, prior, hash algo, the
+producing request's namespace seed) and each pool's dtype, shape and xxh3-64 checksum; a
+sealed record (:class:`Seal`) has ciphertext payloads, no checksums, and never token ids.
+The writer checks ``name == H(prior || u32le(tokens))`` (:func:`make_record`); the reader
+checks the name against its own request's tokens (:func:`verify` with ``tokens``); the
+tier, which has no tokens, checks everything else.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import re
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -30,16 +28,15 @@ import xxhash
 from pd_cache.core.config import KVLayout
 from pd_cache.core.hashing import DIGEST_SIZES, page_hashes, token_buffer
 
-RECORD_VERSION = 3   # 2: the producer's namespace seed; 3: no token ids
+RECORD_VERSION = 4   # 2: the producer's namespace seed; 3: no token ids; 4: sealed
 KV_POOL = "kv"
 STATE_POOL = "state"   # a hybrid model's recurrent state after the page (checkpoints only)
 # Pools whose entry is a checkpoint taken after its page: a prefix is usable only if it
 # ends at a page whose checkpoint is stored (the other pools hold every page's data).
 CHECKPOINT_POOLS = frozenset({STATE_POOL})
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-    "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8,
-}
+DTYPES: dict[str, torch.dtype] = {str(t).removeprefix("torch."): t for t in (
+    torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32,
+    torch.uint8)}
 # NOTE: pool names end up in file names (disk backend), so they stay plain identifiers.
 _POOL_NAME = re.compile(r"[A-Za-z0-9_]{1,64}")
 
@@ -53,6 +50,15 @@ class PoolEntry(msgspec.Struct, frozen=True, gc=False):
     checksum: int  # xxh3_64 of the payload's bytes (C order)
 
 
+class Seal(msgspec.Struct, frozen=True, gc=False):
+    """A sealed record's key (key version, tenant's purge epoch), owner label and nonce per
+    pool (``pd_cache.storage.seal``); payloads are ``uint8[stored_nbytes]``."""
+    version: int
+    epoch: int
+    owner: bytes
+    nonces: tuple[bytes, ...]
+
+
 class RecordHeader(msgspec.Struct, frozen=True, gc=False):
     version: int
     fingerprint: str
@@ -61,6 +67,7 @@ class RecordHeader(msgspec.Struct, frozen=True, gc=False):
     prior: bytes
     pools: tuple[PoolEntry, ...]
     seed: bytes = b""   # namespace seed of the producing request; readers compare their own
+    seal: Seal | None = None
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -94,20 +101,22 @@ class PageRecord:
         return [e.name for e in self.header.pools]
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return _rebuild, (self.header, tuple(as_bytes(t) for t in self.payloads))
+        return rebuild, (self.header, tuple(as_bytes(t) for t in self.payloads))
 
 
-def _rebuild(header: RecordHeader, arrays: tuple[np.ndarray, ...]) -> PageRecord:
+def rebuild(header: RecordHeader, arrays: tuple[np.ndarray, ...]) -> PageRecord:
     with warnings.catch_warnings():
         # NOTE: arrays from the object store are read-only; torch warns but shares them.
         warnings.simplefilter("ignore", UserWarning)
         raw = [torch.from_numpy(a) for a in arrays]
-    return PageRecord(header, tuple(_typed(t, e) for t, e in zip(raw, header.pools)))
+    return PageRecord(header, tuple(typed(t, e, header.seal is not None)
+                                    for t, e in zip(raw, header.pools)))
 
 
-def _typed(raw: torch.Tensor, entry: PoolEntry) -> torch.Tensor:
+def typed(raw: torch.Tensor, entry: PoolEntry, sealed: bool = False) -> torch.Tensor:
+    """A stored payload's bytes as ``entry`` describes them (sealed: as they are)."""
     try:
-        return raw.view(DTYPES[entry.dtype]).view(entry.shape)
+        return raw if sealed else raw.view(DTYPES[entry.dtype]).view(entry.shape)
     except (KeyError, RuntimeError):
         return raw  # a header that disagrees with its bytes; verify() reports it
 
@@ -122,6 +131,16 @@ def checksum(tensor: torch.Tensor) -> int:
     return xxhash.xxh3_64_intdigest(memoryview(as_bytes(tensor)))
 
 
+TAG_BYTES = 16   # an AEAD tag, after each sealed payload's ciphertext
+
+
+def stored_nbytes(entry: PoolEntry, sealed: bool = False) -> int:
+    """Bytes of ``entry``'s payload: its plaintext's, plus the tag when sealed (-1: bad)."""
+    if entry.dtype not in DTYPES or any(d < 0 for d in entry.shape):
+        return -1
+    return DTYPES[entry.dtype].itemsize * math.prod(entry.shape) + TAG_BYTES * sealed
+
+
 def check_pool_name(pool: Any, field: str = "pool") -> str:
     if not isinstance(pool, str) or not _POOL_NAME.fullmatch(pool):
         raise ValueError(f"{field}: expected 1-64 characters of [A-Za-z0-9_], got {pool!r}")
@@ -129,14 +148,16 @@ def check_pool_name(pool: Any, field: str = "pool") -> str:
 
 
 def make_record(name: bytes, prior: bytes, tokens: Any, pools: Mapping[str, torch.Tensor], *,
-                fingerprint: str, algo: str = "xxh3_128", seed: bytes = b"") -> PageRecord:
+                fingerprint: str, algo: str = "xxh3_128", seed: bytes = b"",
+                sums: bool = True) -> PageRecord:
     """Build the record of one page; checksums are computed here, from the payloads.
 
     ``tokens`` are the page's token ids: ``name`` must be ``H(prior || u32le(tokens))``
     (a ``ValueError`` naming it otherwise), and they are not stored. ``seed`` is the
     namespace seed of the request that produced the page (a reader refuses a record whose
     seed is not its own request's). Payloads are referenced, not copied: do not modify them
-    before they are stored.
+    before they are stored. ``sums=False`` leaves every checksum 0: for a record that is
+    sealed next (its tag covers the bytes; no pass over them here).
     """
     size = DIGEST_SIZES.get(algo)
     if size is None:
@@ -156,7 +177,8 @@ def make_record(name: bytes, prior: bytes, tokens: Any, pools: Mapping[str, torc
     for pool, tensor in pools.items():
         check_pool_name(pool, "pools")
         tensor = _check_tensor(tensor, f"pools[{pool!r}]")
-        entries.append(PoolEntry(pool, _dtype_name(tensor), tuple(tensor.shape), checksum(tensor)))
+        entries.append(PoolEntry(pool, _dtype_name(tensor), tuple(tensor.shape),
+                                 checksum(tensor) if sums else 0))
         payloads.append(tensor)
     if not isinstance(seed, bytes):
         raise ValueError(f"seed: expected bytes, got {type(seed).__name__}")
@@ -185,12 +207,18 @@ def payload_problem(record: PageRecord) -> str | None:
         return f"{len(record.payloads)} payloads for {len(entries)} pool entries"
     if len({e.name for e in entries}) != len(entries):
         return "duplicate pool names"
+    seal = record.header.seal
+    if seal is not None and len(seal.nonces) != len(entries):
+        return f"{len(seal.nonces)} nonces for {len(entries)} pool entries"
     for entry, tensor in zip(entries, record.payloads):
         if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
             return f"pool {entry.name!r}: payload is not a CPU tensor"
-        if _dtype_name(tensor) != entry.dtype:
+        if seal is not None:
+            if tensor.dtype != torch.uint8 or tensor.shape != (stored_nbytes(entry, True),):
+                return f"pool {entry.name!r}: sealed payload of {tensor.numel()} bytes"
+        elif _dtype_name(tensor) != entry.dtype:
             return f"pool {entry.name!r}: payload dtype {tensor.dtype}, header says {entry.dtype}"
-        if tuple(tensor.shape) != tuple(entry.shape):
+        elif tuple(tensor.shape) != tuple(entry.shape):
             return (f"pool {entry.name!r}: payload shape {tuple(tensor.shape)}, header says "
                     f"{tuple(entry.shape)}")
     return None
@@ -201,14 +229,11 @@ def verify(record: PageRecord, layout: KVLayout, algo: str, *, name: bytes,
            tokens: Any = None, checksums_done: bool = False) -> str | None:
     """Why ``record`` is not the page ``name`` of ``layout`` (``None`` when it is).
 
-    Checks, cheapest first: version, fingerprint, algo, name, expected ``prior`` (when
-    known), the requested ``pool``, the ``kv`` pool (and a hybrid layout's ``state``
-    pool) against the layout, payloads against
-    the header, with ``tokens`` (the reader's own page) ``name == H(prior || tokens)``,
-    then every payload checksum. Without ``tokens`` (a tier: it has none) the name is
-    only compared with the one asked for. ``checksums_done``: the record comes from a
-    ``StorageBackend`` get, whose contract is that every payload checksum was verified on
-    the way; everything else is checked again, the checksums are not.
+    Cheapest first: version, fingerprint, algo, name, ``prior`` (when known), ``pool``,
+    the ``kv`` (hybrid: ``state``) pool against the layout, payloads against the header,
+    with ``tokens`` (the reader's own page) ``name == H(prior || tokens)``, then every
+    checksum (none for a sealed record: its reader checks tags). ``checksums_done``: from a
+    ``StorageBackend`` get, which verified them on the way: all but checksums is checked.
     """
     problem = _cheap_problem(record, layout, algo, name, prior, pool)
     if problem is None and tokens is not None:
@@ -245,7 +270,9 @@ def _cheap_problem(record: PageRecord, layout: KVLayout, algo: str, name: bytes,
 def _checksum_problems(records: Sequence[PageRecord], problems: list[str | None],
                        hash_all: Checksums) -> list[str | None]:
     """``problems``, with a checksum mismatch for each record still without one."""
-    todo = [(k, entry, tensor) for k, r in enumerate(records) if problems[k] is None
+    # NOTE: a sealed record has no checksums: its reader checks the tag as it opens it.
+    todo = [(k, entry, tensor) for k, r in enumerate(records)
+            if problems[k] is None and r.header.seal is None
             for entry, tensor in zip(r.header.pools, r.payloads)]
     sums = hash_all([tensor for _, _, tensor in todo]) if todo else []
     for (k, entry, _), got in zip(todo, sums):

@@ -69,10 +69,13 @@ class StorageTier:
                 for t in self.backend.batch_get_v2(transfers, extra_info)]
 
     def discard_v2(self, pool: str, keys: Sequence[bytes]) -> int:
-        """Delete lent records a reader found bad (see ``SharedMemoryBackend``)."""
-        if isinstance(self.backend, SharedMemoryBackend):
-            return self.backend.discard_v2(pool, keys)
-        return 0
+        """Delete records a reader found bad (``StorageBackend.discard_v2``)."""
+        return self.backend.discard_v2(pool, keys)
+
+    def reclaim(self, owners: Sequence[bytes] = (), below: int = 0) -> int:
+        """Delete purged tenants' and retired keys' records (``LocalBackend.reclaim``)."""
+        reclaim = getattr(self.backend, "reclaim", None)
+        return 0 if reclaim is None else reclaim(frozenset(owners), below)
 
     def batch_set_v2(self, transfers: Sequence[PoolTransfer],
                      extra_info: ExtraInfo | None = None) -> list[list[bool]]:

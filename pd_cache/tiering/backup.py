@@ -146,7 +146,7 @@ class BackupWriter:
         ps, link = self.link.page_size, self.link
         return make_record(chain.names[i], chain.prior(i), tokens[i * ps:(i + 1) * ps], pools,
                            fingerprint=link.layout.fingerprint, algo=link.algo,
-                           seed=chain.seed)
+                           seed=chain.seed, sums=not link.storage.seals)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for every backup issued so far; ``False`` if some are still running."""

@@ -51,7 +51,8 @@ class StorageLink:
         self.page_nbytes = layout.page_nbytes
 
     def info(self, req: Req, chain: Chain, prefix: list[bytes] | None) -> ExtraInfo:
-        return ExtraInfo(prefix_keys=prefix, namespace_seed=chain.seed, request_id=req.rid)
+        return ExtraInfo(prefix_keys=prefix, namespace_seed=chain.seed, request_id=req.rid,
+                         tenant=req.tenant)
 
     def start_prefix(self, chain: Chain) -> list[bytes] | None:
         """``prefix_keys`` of the chain's first batch (``None``: the feature is off)."""

@@ -24,6 +24,7 @@ import torch
 
 from pd_cache.core.config import PDCacheConfig
 from pd_cache.core.request import Req
+from pd_cache.core.sealing import Keyring, KeyState
 from pd_cache.core.wire import DecodeInfo, PrefillInfo
 from pd_cache.worker.workers import DecodeWorker, PrefillResult, PrefillWorker
 
@@ -37,18 +38,23 @@ ActorOptions = dict[str, Any]
 
 
 def _storage_client(handles: Sequence[Any], config: PDCacheConfig,
-                    timeout_s: float | None, metrics: Any) -> Any:
+                    timeout_s: float | None, metrics: Any, keyring: Keyring | None) -> Any:
+    """The worker's L3: the shards' client behind the seal (``keyring``: the cluster's;
+    ``None``: a random one, which no other worker shares)."""
     if not handles or not config.storage.enabled:
         return None
     from pd_cache.storage.client import StorageClient
+    from pd_cache.storage.seal import SealedStorage, Sealer
     from pd_cache.storage.tier import resolve
 
-    return StorageClient(resolve(handles), algo=config.cache.hash_algo, timeout_s=timeout_s,
-                         metrics=metrics)
+    client = StorageClient(resolve(handles), algo=config.cache.hash_algo, timeout_s=timeout_s,
+                           metrics=metrics)
+    sealer = Sealer(keyring or Keyring.random(), enabled=config.storage.seal)
+    return SealedStorage(client, sealer, metrics)
 
 
 def _in_process(config: PDCacheConfig, storage_handles: Sequence[Any], threads: int,
-                storage_timeout_s: float | None) -> dict[str, Any]:
+                storage_timeout_s: float | None, keyring: Keyring | None) -> dict[str, Any]:
     """Set up the actor's process and make what its worker takes from it: one metrics
     recorder (worker and L3 client share it) and the L3 client."""
     from pd_cache.metrics import PDCacheMetrics
@@ -61,15 +67,38 @@ def _in_process(config: PDCacheConfig, storage_handles: Sequence[Any], threads: 
     warnings.filterwarnings("ignore", message=".*non-writable tensors.*")
     metrics = PDCacheMetrics("auto")
     return {"metrics": metrics,
-            "storage": _storage_client(storage_handles, config, storage_timeout_s, metrics),
+            "storage": _storage_client(storage_handles, config, storage_timeout_s, metrics,
+                                       keyring),
             "storage_timeout_s": storage_timeout_s or 30.0}
 
 
 class _Hosted:
-    """What an actor adds to the worker it is: answers to health checks. Every other call
-    (``flush``, ``state``, ``drop_cache``, ``page_names``, ...) is the worker's own."""
+    """What an actor adds to the worker it is: answers to health checks, and its L3 keys
+    (``core.sealing``) with the namespaces each tenant used here (what a purge drops).
+    Every other call (``flush``, ``state``, ``drop_cache``, ...) is the worker's own."""
 
     worker_id: int
+    keyring: Keyring
+    _seeds: dict[str, set[bytes]]
+
+    def _host(self, keyring: Keyring | None) -> Keyring:
+        self.keyring, self._seeds = keyring or Keyring.random(), {}
+        return self.keyring
+
+    def _saw(self, req: Req) -> None:
+        self._seeds.setdefault(req.tenant, set()).add(req.namespace_seed(self.algo))
+
+    def set_keys(self, state: KeyState) -> None:
+        """The cluster's new key state (a rotation, a retirement, a purge)."""
+        self.keyring.state = state
+
+    def owner(self, tenant: str) -> bytes:
+        """``tenant``'s owner label on sealed records (what a shard reclaims by)."""
+        return self.keyring.owner(tenant)
+
+    def forget_tenant(self, tenant: str) -> int:
+        """Drop the L1 and L2 pages of every namespace ``tenant`` used here; how many."""
+        return self.drop_namespaces(self._seeds.pop(tenant, set()))
 
     def ready(self) -> int:
         return self.worker_id
@@ -81,14 +110,17 @@ class _Hosted:
 
 class PrefillActor(_Hosted, PrefillWorker):
     def __init__(self, config: PDCacheConfig, worker_id: int, storage_handles: Sequence[Any],
-                 threads: int = 1, storage_timeout_s: float | None = 10.0) -> None:
-        super().__init__(config, worker_id=worker_id,
-                         **_in_process(config, storage_handles, threads, storage_timeout_s))
+                 threads: int = 1, storage_timeout_s: float | None = 10.0,
+                 keyring: Keyring | None = None) -> None:
+        super().__init__(config, worker_id=worker_id, **_in_process(
+            config, storage_handles, threads, storage_timeout_s, self._host(keyring)))
+        self.algo = config.cache.hash_algo
 
     @ray.method(num_returns=3)
     def prefill(self, req: Req) -> PrefillResult:
         """-> info, the prompt's KV pages, a hybrid prompt's states (``None`` when plain),
         as three objects."""
+        self._saw(req)
         return super().prefill(req)
 
 
@@ -98,9 +130,10 @@ class DecodeActor(_Hosted, DecodeWorker):
 
     def __init__(self, config: PDCacheConfig, worker_id: int, storage_handles: Sequence[Any],
                  threads: int = 1, storage_timeout_s: float | None = 10.0,
-                 max_batch: int = 1) -> None:
-        super().__init__(config, worker_id=worker_id, max_batch=max_batch,
-                         **_in_process(config, storage_handles, threads, storage_timeout_s))
+                 max_batch: int = 1, keyring: Keyring | None = None) -> None:
+        super().__init__(config, worker_id=worker_id, max_batch=max_batch, **_in_process(
+            config, storage_handles, threads, storage_timeout_s, self._host(keyring)))
+        self.algo = config.cache.hash_algo
 
     def decode_handoff(self, req: Req, info: PrefillInfo, handoff: list[Any]) -> DecodeInfo:
         """``decode`` of the pages (and a hybrid prompt's states) ``handoff`` refers to."""
@@ -113,6 +146,7 @@ class DecodeActor(_Hosted, DecodeWorker):
         """``decode_stream`` of what ``handoff`` refers to: each token after the first as
         it is drawn, then the ``DecodeInfo``."""
         req.check_deadline("handoff")
+        self._saw(req)
         start = time.perf_counter()
         # NOTE: [pages] or [pages, states] (a hybrid prompt's recurrent state).
         got = ray.get(list(handoff[:2]))
@@ -144,7 +178,7 @@ def named(name: str, namespace: str, *, detached: bool = True) -> ActorOptions:
 
 def prefill_actor(config: PDCacheConfig, worker_id: int, storage_handles: Sequence[Any] = (),
                   *, threads: int = 1, num_cpus: float = 0, max_restarts: int = 0,
-                  storage_timeout_s: float | None = 10.0,
+                  storage_timeout_s: float | None = 10.0, keyring: Keyring | None = None,
                   actor: ActorOptions | None = None) -> Any:
     """A ``PrefillActor`` handle; ``prefill.remote(req)`` returns ``(info_ref, pages_ref,
     states_ref)`` (states: a hybrid prompt's, ``None`` when plain).
@@ -153,23 +187,25 @@ def prefill_actor(config: PDCacheConfig, worker_id: int, storage_handles: Sequen
     ``pd_cache.storage.tier.ShardName`` (looked up by the worker: no handle in its
     constructor's arguments). ``max_restarts`` (-1: always) brings a killed process back;
     its calls are not retried by Ray (the router retries a request elsewhere). ``actor``:
-    more Ray actor options (a name, a placement resource, ...)."""
+    more Ray actor options (a name, a placement resource, ...). ``keyring``: the cluster's
+    L3 keys (every worker of a cluster needs the same; ``None``: this worker's own)."""
     return _remote(PrefillActor).options(**_options(num_cpus, max_restarts, 1, actor)).remote(
-        config, worker_id, list(storage_handles), threads, storage_timeout_s)
+        config, worker_id, list(storage_handles), threads, storage_timeout_s, keyring)
 
 
 def decode_actor(config: PDCacheConfig, worker_id: int, storage_handles: Sequence[Any] = (),
                  *, threads: int = 1, num_cpus: float = 0, max_restarts: int = 0,
                  storage_timeout_s: float | None = 10.0, max_batch: int = 1,
-                 actor: ActorOptions | None = None) -> Any:
+                 keyring: Keyring | None = None, actor: ActorOptions | None = None) -> Any:
     """A ``DecodeActor`` handle; ``decode_handoff.remote(req, info, [pages_ref,
     states_ref])`` -> ``DecodeInfo`` (``[pages_ref]`` alone for a plain model).
 
     ``max_batch > 1``: up to that many requests decode together; the actor then takes
     more calls at once than it batches (the rest wait in the batcher's queue). Restarts and
-    ``actor`` as for ``prefill_actor``.
+    ``keyring`` and ``actor`` as for ``prefill_actor``.
     """
     concurrency = 1 if max_batch == 1 else DECODE_CONCURRENCY
     options = _options(num_cpus, max_restarts, concurrency, actor)
     return _remote(DecodeActor).options(**options).remote(
-        config, worker_id, list(storage_handles), threads, storage_timeout_s, max_batch)
+        config, worker_id, list(storage_handles), threads, storage_timeout_s, max_batch,
+        keyring)

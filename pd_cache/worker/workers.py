@@ -23,7 +23,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -76,6 +76,14 @@ class _Worker:
     def drop_cache(self) -> dict[str, int]:
         """Empty this worker's L1 and L2 (``LocalEngine.drop_cache``)."""
         dropped = self.engine.drop_cache()
+        self._set_pools()
+        return dropped
+
+    def drop_namespaces(self, seeds: Collection[bytes]) -> int:
+        """Drop this worker's L1 and L2 pages of the namespaces ``seeds`` (a purged
+        tenant's) once pending L3 writes are done; how many pages went."""
+        self.engine.flush()
+        dropped = self.engine.cache.drop_where(lambda node: node.seed in seeds)
         self._set_pools()
         return dropped
 

@@ -22,6 +22,7 @@ from pd_cache.app.session import ClusterToken
 from pd_cache.cluster.pd_cluster import PDCluster
 from pd_cache.core.cluster_config import ClusterConfig
 from pd_cache.core.request import Req
+from pd_cache.core.sealing import Keyring
 from pd_cache.model.model import Model, reference_generate
 
 ray = pytest.importorskip("ray")
@@ -88,7 +89,8 @@ def cluster(nodes: Nodes) -> Iterator[PDCluster]:
     storage = [ray.remote(tier.StorageTier).options(
         num_cpus=0, runtime_env={"env_vars": dict(tier.ACTOR_ENV)}, **on_b).remote(pd, i)
         for i in range(pd.storage.num_shards)]
-    opts = {"threads": CONFIG.threads, "storage_timeout_s": CONFIG.storage_timeout_s}
+    opts = {"threads": CONFIG.threads, "storage_timeout_s": CONFIG.storage_timeout_s,
+            "keyring": Keyring.random()}   # one cluster: every worker reads the others' pages
     prefill = [actors.prefill_actor(pd, i, storage, actor=on_a, **opts)
                for i in range(CONFIG.num_prefill)]
     decode = [actors.decode_actor(pd, i, storage, max_batch=CONFIG.decode_batch, actor=on_b,

@@ -240,6 +240,32 @@ def test_admin_drop_caches_empties_the_cache_and_needs_an_admin_key(url: str) ->
         .usage.prompt_tokens_details.cached_tokens == 0
 
 
+def test_admin_purge_forgets_one_tenant_and_keys_rotate(url: str) -> None:
+    """Through HTTP: a purge leaves acme 0 cached tokens while zeta keeps its own; only an
+    admin key may purge or rotate."""
+    acme, zeta = client(url, "sk-acme-0001"), client(url, "sk-zeta-0002")
+    prompt = "a prompt both tenants send, then one of them is purged " * 2
+
+    def cached(who: Any) -> int:
+        return who.completions.create(model="tiny", prompt=prompt, max_tokens=2) \
+            .usage.prompt_tokens_details.cached_tokens
+
+    cached(acme), cached(zeta)
+    assert cached(acme) > 0 and cached(zeta) > 0
+    admin, user = {"Authorization": "Bearer sk-ops-00003"}, \
+        {"Authorization": "Bearer sk-acme-0001"}
+    for path in ("/admin/tenants/acme/purge", "/admin/keys/rotate", "/admin/keys/retire"):
+        status, body = raw(url + path, b"", user)
+        assert status == 403 and body["error"]["code"] == "permission_denied", (path, body)
+    status, body = raw(url + "/admin/tenants/acme/purge", b"", admin)
+    assert status == 200 and body["tenant"] == "acme" and body["dropped_pages"] > 0, body
+    assert cached(acme) == 0
+    assert cached(zeta) > 0
+    status, body = raw(url + "/admin/keys/rotate", b"", admin)
+    assert status == 200 and body["key_version"] == body["oldest_readable"] + 1, body
+    assert cached(zeta) > 0   # its pages, and its records sealed before, stay readable
+
+
 def raw(url: str, data: bytes, headers: dict[str, str],
         want_headers: bool = False) -> tuple[int, Any]:
     request = urllib.request.Request(url, data=data, headers=headers, method="POST")

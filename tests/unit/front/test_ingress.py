@@ -68,22 +68,26 @@ class _Cluster:
 def test_a_streams_prefill_starts_before_serve_reads_the_body() -> None:
     pytest.importorskip("ray.serve")
     from pd_cache.core.request import Req
-    from pd_cache.front.serve import PDCacheIngress
+    from pd_cache.front.flow import Admission
+    from pd_cache.front.guard import TenantGuard
+    from pd_cache.front.serve import OPEN, PDCacheIngress
     from pd_cache.front.tokenizer import ByteTokenizer
 
     cls = PDCacheIngress.func_or_class
     ingress = cls.__new__(cls)
-    ingress.args, ingress.model, ingress._pending = IngressConfig(), "m", 0
+    ingress.args, ingress.model = IngressConfig(), "m"
+    ingress.admission = Admission(1)
+    ingress.guard = TenantGuard(None, 1)
     ingress.cluster, ingress.tokenizer = _Cluster(), ByteTokenizer(512)
 
     async def run() -> list[str]:
         req = Req(rid="r", input_ids=[3, 4], max_new_tokens=2)
-        body = ingress._sse(req, "cmpl-x", False, False, False, 0).body_iterator
+        body = ingress._sse(req, "cmpl-x", False, OPEN, False, 0).body_iterator
         await asyncio.sleep(0)
         assert ingress.cluster.asked == ["r"]   # before the first chunk is asked for
-        assert ingress._pending == 1
+        assert ingress.admission.pending == 1
         chunks = [c async for c in body]
-        assert ingress._pending == 0
+        assert ingress.admission.pending == 0
         return chunks
 
     chunks = asyncio.run(run())

@@ -53,7 +53,7 @@ def test_header_bytes_hold_no_token_ids() -> None:
     for t in tokens:  # not even one of them, in either byte order
         assert struct.pack("<I", t) not in raw and struct.pack(">I", t) not in raw
     assert b"tokens" not in raw
-    assert rec.header.version == RECORD_VERSION == 3
+    assert rec.header.version == RECORD_VERSION == 4
 
 
 def test_reader_checks_the_name_against_its_own_tokens() -> None:

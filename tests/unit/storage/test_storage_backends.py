@@ -272,6 +272,7 @@ class V2Header(msgspec.Struct, frozen=True):
     tokens: tuple[int, ...]
     pools: tuple[PoolEntry, ...]
     seed: bytes = b""
+    seal: None = None   # (not in the v2 format: read by the writer's layout only)
 
 
 def test_disk_restart_drops_records_of_an_older_version(tmp_path: Path,
@@ -289,7 +290,7 @@ def test_disk_restart_drops_records_of_an_older_version(tmp_path: Path,
     first._write_file(path, PageRecord(old, rec.payloads))  # type: ignore[arg-type]
     with caplog.at_level(logging.WARNING, logger="pd_cache.storage.disk"):
         second = DiskBackend(tmp_path, layout, 1 << 20)
-    assert "record version 2, expected 3" in caplog.text
+    assert "record version 2, expected 4" in caplog.text
     assert second.usage().records == 2 and not path.exists()
     assert second.stats() == {"verification_failed/": 1}
     assert second.batch_exists(chain.names) == 2

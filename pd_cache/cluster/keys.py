@@ -1,0 +1,79 @@
+"""The cluster's L3 keys (``pd_cache.core.sealing``): rotation, retirement, a tenant's purge.
+
+The cluster holds the key state its workers agree on and pushes every change to all of
+them. A purge forgets a tenant::
+
+    1. workers finish their pending L3 writes (sealed under the keys so far)
+    2. the tenant's epoch moves on: every record it had is unreadable at once (a miss)
+    3. each worker drops the tenant's pages from its L1 and L2 (locked pages stay)
+    4. each shard deletes the tenant's records (by owner label), in the background
+
+A retirement does 1, 2 for every older key version, and 4 for their records.
+
+NOTE: the state lives in this process and in the workers: a worker that restarts comes
+back with the keys it was started with, and a cluster attached by name starts from the
+first state; push the state again (``set_keys``) after either.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from pd_cache.core.sealing import KeyState
+
+
+class Reclaim(NamedTuple):
+    """What a purge or a retirement did at once, and the deletion it left running."""
+
+    pages: int            # L1 and L2 pages the workers dropped (a purge)
+    pending: list[Any]    # the shards' ``reclaim`` calls: records deleted, in the background
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for the shards; how many records they deleted."""
+        import ray
+
+        return sum(ray.get(self.pending, timeout=timeout))
+
+
+class ClusterKeys:
+    """Key operations of a ``PDCluster`` (mixed in through ``ClusterOperations``)."""
+
+    keys: KeyState = KeyState()
+    prefill: list[Any]
+    decode: list[Any]
+    storage: list[Any]
+
+    def flush(self) -> None:
+        raise NotImplementedError
+
+    def set_keys(self, state: KeyState) -> KeyState:
+        """Give every worker ``state`` (and keep it here)."""
+        import ray
+
+        ray.get([a.set_keys.remote(state) for a in self.prefill + self.decode])
+        self.keys = state
+        return state
+
+    def rotate_keys(self) -> KeyState:
+        """Start a new key version for new writes; older ones stay readable until retired."""
+        return self.set_keys(self.keys.rotated())
+
+    def retire_keys(self) -> Reclaim:
+        """Retire every key version but the current one: their records are misses at once
+        and the shards delete them in the background."""
+        self.flush()
+        state = self.set_keys(self.keys.retired())
+        return Reclaim(0, [s.reclaim.remote([], state.oldest) for s in self.storage])
+
+    def purge_tenant(self, tenant: str) -> Reclaim:
+        """Forget ``tenant``'s cache in every tier (see the module docstring)."""
+        import ray
+
+        if not isinstance(tenant, str):
+            raise ValueError(f"tenant: expected a str, got {type(tenant).__name__}")
+        workers = self.prefill + self.decode
+        self.flush()
+        self.set_keys(self.keys.purged(tenant))
+        pages = sum(ray.get([a.forget_tenant.remote(tenant) for a in workers]))
+        owners = ray.get(workers[0].owner.remote(tenant)) if workers else b""
+        return Reclaim(pages, [s.reclaim.remote([owners], 0) for s in self.storage])

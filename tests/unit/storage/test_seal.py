@@ -1,0 +1,155 @@
+"""Sealed L3 records on a real disk store: what a store (or a thief of its files) sees is
+ciphertext; the tenant reads its pages back bit for bit; anyone else, a relabelled record,
+a retired or purged key, reads nothing (a counted miss)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+
+from pd_cache.core.config import PDCacheConfig
+from pd_cache.core.sealing import Keyring
+from pd_cache.model.model import Model
+from pd_cache.storage import PageRecord, make_record
+from pd_cache.storage.base import ExtraInfo
+from pd_cache.storage.disk import FRAME, MAGIC, DiskBackend
+from pd_cache.storage.record import as_bytes, decode_header, encode_header
+from pd_cache.storage.seal import AEADS, SealedStorage, Sealer
+from tests.unit.storage.records import Chain, bits, layout_for
+from tests.unit.storage.recovery import recover, vocabulary_v_rows
+
+SECRET = bytes(range(32))
+
+
+def sealed(inner: DiskBackend, *, enabled: bool = True,
+           keyring: Keyring | None = None) -> SealedStorage:
+    return SealedStorage(inner, Sealer(keyring or Keyring(SECRET), enabled=enabled))
+
+
+def as_tenant(tenant: str) -> ExtraInfo:
+    return ExtraInfo(tenant=tenant)
+
+
+def test_a_sealed_round_trip_and_who_may_read(tmp_path: Path) -> None:
+    layout = layout_for()
+    chain = Chain(layout, 3)
+    keys = Keyring(SECRET)
+    store = sealed(DiskBackend(tmp_path, layout, 1 << 20), keyring=keys)
+    assert store.batch_set(chain.names, chain.records, as_tenant("acme")) == [True] * 3
+    # the store holds ciphertext: no payload byte string of the page is in its files
+    files = sorted(tmp_path.rglob("*.rec"))
+    assert len(files) == 3
+    for f, rec in zip(files, sorted(chain.records, key=lambda r: r.name.hex())):
+        assert bits(rec.payload())[:64] not in f.read_bytes()
+    got = store.batch_get(chain.names, as_tenant("acme"))
+    for g, want in zip(got, chain.records):
+        assert g is not None and g.header.seal is None and g.header.name == want.name
+        assert bits(g.payload()) == bits(want.payload())
+    # another tenant, and the same tenant with another secret, get misses, counted
+    assert store.batch_get(chain.names, as_tenant("other")) == [None] * 3
+    thief = sealed(store.inner, keyring=Keyring(bytes(32)))
+    assert thief.batch_get(chain.names, as_tenant("acme")) == [None] * 3
+    assert store.stats()["miss/verification_failed"] == 3
+    assert thief.stats()["miss/verification_failed"] == 3
+    # rotation: a new version for new writes, the old records readable until retired
+    keys.state = keys.state.rotated()
+    assert all(store.batch_get(chain.names, as_tenant("acme")))
+    keys.state = keys.state.retired()
+    assert store.batch_get(chain.names, as_tenant("acme")) == [None] * 3
+    assert store.stats()["miss/key_retired"] == 3
+    assert store.inner.usage().records == 0   # the reader had the store discard them
+    # a purge retires the tenant's keys at once, and the store reclaims its records
+    other = Chain(layout, 2, seed=9)
+    assert store.batch_set(chain.names, chain.records, as_tenant("acme")) == [True] * 3
+    assert store.batch_set(other.names, other.records, as_tenant("beta")) == [True] * 2
+    assert all(store.batch_get(chain.names, as_tenant("acme")))
+    keys.state = keys.state.purged("acme")
+    assert store.batch_get(chain.names[:1], as_tenant("acme")) == [None]
+    assert store.inner.reclaim(owners=[keys.owner("acme")]) == 2
+    assert len(list(tmp_path.rglob("*.rec"))) == 2
+    assert all(store.batch_get(other.names, as_tenant("beta")))
+    # a retirement lets the store reclaim every record sealed under an older version
+    keys.state = keys.state.rotated()
+    assert store.inner.reclaim(below=keys.state.version) == 2
+    assert list(tmp_path.rglob("*.rec")) == []
+
+
+def test_a_relabelled_record_is_refused(tmp_path: Path) -> None:
+    """A store renames page 1's record to page 1 of another chain (same position, a valid
+    name, shapes and header checksum intact): the reader asking for that page refuses it."""
+    layout = layout_for()
+    mine, theirs = Chain(layout, 2, seed=1), Chain(layout, 2, seed=2)
+    disk = DiskBackend(tmp_path, layout, 1 << 20, fsync=False)
+    store = sealed(disk)
+    assert store.batch_set(mine.names, mine.records, as_tenant("t")) == [True, True]
+    src = disk._path(("kv", mine.names[1]))
+    raw = src.read_bytes()
+    _, size, _ = FRAME.unpack_from(raw)
+    header = decode_header(raw[FRAME.size:FRAME.size + size])
+    forged = encode_header(msgspec.structs.replace(header, name=theirs.names[1],
+                                                   prior=theirs.names[0]))
+    assert len(forged) == size
+    import xxhash
+    out = FRAME.pack(MAGIC, size, xxhash.xxh3_64_intdigest(forged)) + forged \
+        + raw[FRAME.size + size:]
+    dst = disk._path(("kv", theirs.names[1]))
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    dst.write_bytes(out)
+    reopened = DiskBackend(tmp_path, layout, 1 << 20, fsync=False)  # indexes the forged file
+    assert reopened.batch_get([theirs.names[1]])[0] is not None   # the store sees no fault
+    reader = sealed(reopened)
+    assert reader.batch_get([theirs.names[1]], as_tenant("t")) == [None]
+    assert reader.stats()["miss/verification_failed"] == 1
+
+
+@pytest.mark.parametrize("seal", [True, False])
+def test_stored_records_give_no_prompt_back(tmp_path: Path, seal: bool) -> None:
+    """Sealed: nothing recovered from the files. Unsealed (the baseline): the whole prompt
+    is, so the attack works and the sealed result means something."""
+    cfg = PDCacheConfig()
+    layout, model = cfg.layout, Model(cfg.model)
+    ps = layout.page_size
+    prompt = torch.randint(0, cfg.model.vocab_size, (4 * ps,),
+                           generator=torch.Generator().manual_seed(5)).tolist()
+    kv = model(prompt).kv   # [2, L, T, Hkv, D]
+    from pd_cache.core.hashing import namespace_seed, page_hashes
+    names = page_hashes(prompt, ps)
+    priors = [namespace_seed(None, None), *names[:-1]]
+    records = [make_record(names[i], priors[i], prompt[i * ps:(i + 1) * ps],
+                           {"kv": kv[:, :, i * ps:(i + 1) * ps].contiguous()},
+                           fingerprint=layout.fingerprint, sums=not seal)
+               for i in range(len(names))]
+    store = sealed(DiskBackend(tmp_path, layout, 1 << 24, fsync=False), enabled=seal)
+    assert store.batch_set(names, records, as_tenant("acme")) == [True] * len(names)
+    table = vocabulary_v_rows(model)
+    dtype = getattr(torch, layout.kv_dtype)
+    thief = DiskBackend(tmp_path, layout, 1 << 24, fsync=False)   # the files, no key
+    stolen: list[PageRecord | None] = thief.batch_get(names)
+    found = [t for rec in stolen if rec is not None
+             for t in recover(rec.payload(), table, layout.page_shape, dtype)]
+    assert len(found) == len(prompt)
+    if seal:
+        assert [t for t in found if t is not None] == []
+    else:
+        assert found == prompt
+
+
+@pytest.mark.parametrize("aead", sorted(AEADS))
+def test_each_aead_is_the_standard_one_over_payload_and_header(aead: str) -> None:
+    """What a sealer writes opens with the textbook AEAD (key, nonce, header as associated
+    data), and what it opens is the page's plaintext."""
+    page = Chain(layout_for(), 1).records[0]
+    keys = Keyring(SECRET)
+    sealer = Sealer(keys, aead=aead)
+    rec = sealer.seal(page, "t")
+    assert rec.header.seal is not None
+    key = keys.key("t", keys.current("t"))
+    plain = AEADS[aead](key).decrypt(rec.header.seal.nonces[0], as_bytes(rec.payloads[0]),
+                                     encode_header(rec.header))
+    assert plain == bits(page.payload())
+    opened = sealer.open(rec, "t").record
+    assert opened is not None and bits(opened.payload()) == plain
+    assert opened.header == msgspec.structs.replace(rec.header, seal=None)
