@@ -24,6 +24,7 @@ class ClusterOperations:
     decode: list[Any]
     storage: list[Any]
     prefill_router: PrefixRouter
+    decode_router: PrefixRouter
 
     def router_names(self, req: Req) -> list[bytes]:
         raise NotImplementedError
@@ -70,6 +71,7 @@ class ClusterOperations:
                 out[tier] += n
         out["storage"] = sum(ray.get([s.drop_all.remote() for s in self.storage]))
         self.prefill_router.forget()
+        self.decode_router.forget()
         return out
 
     def l3_writes(self) -> dict[str, int]:
