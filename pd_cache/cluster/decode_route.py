@@ -6,7 +6,8 @@ the router also remembers the pages each decode worker kept (the prompt and answ
 request it served), and before prefill::
 
     names of the prompt   -> decode_router.pick: the longest known prefix on a live worker
-                             not busier than the least loaded by > balance_threshold
+                             not busier than the least loaded by more than a decode batch
+                             (``decode_balance``)
     matched > 0 (or pinned) -> worker.reserve(req): k pages locked there for the handoff
     prefill(req, k)       -> hands over only the pages after k
     decode on that worker -> joins its k pages with the received ones (seam checked)
@@ -41,6 +42,14 @@ class Reserved(NamedTuple):
 
 
 NOTHING = Reserved(None, 0)
+
+def decode_balance(config: ClusterConfig) -> int:
+    """How much busier than the least loaded decode worker the one holding a prefix may be
+    and still get the request: a decode batch joins a request in flight at little cost, so
+    up to a batch (``decode_batch - 1``), or ``balance_threshold`` if larger (or with
+    batches of one)."""
+    return max(config.balance_threshold, config.decode_batch - 1)
+
 
 class DecodeRouting:
     """The decode side of ``PDCluster``'s routing (a mixin: its state lives there)."""
@@ -104,9 +113,12 @@ class DecodeRouting:
         abandon(ref)
         self.decode[worker].cancel.remote(rid)
 
-    def _pick_decode(self, pinned: int | None, failed: Sequence[int] = ()) -> int:
+    def _pick_decode(self, pinned: int | None, failed: Sequence[int] = (),
+                     names: Sequence[bytes] = ()) -> int:
         """The decode worker for a request: ``pinned``, else the fullest batch with room
-        (``decode_pack``) or the least loaded, among live workers not in ``failed``."""
+        (``decode_pack``) or the least loaded, among live workers not in ``failed``. With a
+        decode cache the router learns at once that it will hold the prompt's pages
+        ``names``: a request of the same prefix arriving meanwhile is routed by them."""
         self.liveness["decode"].refresh()
         if pinned is not None:
             worker = pinned
@@ -115,4 +127,6 @@ class DecodeRouting:
         else:
             worker = self.decode_router.least_loaded(failed)
         self._check_worker("decode_worker", worker, self.decode)
+        if self.pd.cache.decode_cache:
+            self.decode_router.record(worker, names)
         return worker

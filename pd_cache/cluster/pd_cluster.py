@@ -37,7 +37,7 @@ from typing import Any
 import msgspec
 
 from pd_cache.cluster.calls import abandon, unwrap
-from pd_cache.cluster.decode_route import NOTHING, DecodeRouting, Reserved
+from pd_cache.cluster.decode_route import NOTHING, DecodeRouting, Reserved, decode_balance
 from pd_cache.cluster.health import Liveness, WorkerDied, ping_all, worker_died
 from pd_cache.cluster.operations import NAMESPACE, ClusterOperations
 from pd_cache.cluster.router import PrefixRouter
@@ -60,7 +60,7 @@ class PDCluster(DecodeRouting, ClusterOperations):
         self.prefill_router = PrefixRouter(len(self.prefill), capacity, config.balance_threshold)
         self.decode_router = PrefixRouter(len(self.decode),
                                           capacity if self.pd.cache.decode_cache else 0,
-                                          config.balance_threshold)
+                                          decode_balance(config))
         self.liveness = {"prefill": Liveness("prefill", self.prefill, self.prefill_router),
                          "decode": Liveness("decode", self.decode, self.decode_router)}
 
@@ -204,7 +204,7 @@ class PDCluster(DecodeRouting, ClusterOperations):
 
     async def _decode_stream(self, req: Req, info: PrefillInfo, handoff: Any,
                              pinned: int | None) -> AsyncIterator[int | DecodeInfo]:
-        worker = self._pick_decode(pinned)
+        worker = self._pick_decode(pinned, (), info.page_names)
         self.decode_router.begin(worker)
         actor, finished, calls = self.decode[worker], False, None
         try:
@@ -275,7 +275,7 @@ class PDCluster(DecodeRouting, ClusterOperations):
 
     async def _decode(self, req: Req, info: PrefillInfo, handoff: Any,
                       pinned: int | None, failed: Sequence[int] = ()) -> DecodeInfo:
-        worker = self._pick_decode(pinned, failed)
+        worker = self._pick_decode(pinned, failed, info.page_names)
         self.decode_router.begin(worker)
         try:
             ref = self.decode[worker].decode_handoff.remote(req, info, handoff)
