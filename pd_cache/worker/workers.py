@@ -173,6 +173,12 @@ class DecodeWorker(_Worker):
         """Drop a reservation whose request will not come (it went elsewhere)."""
         return self.keeper is not None and self.keeper.release(rid)
 
+    def drop_cache(self) -> dict[str, int]:
+        if self.keeper is None:
+            return super().drop_cache()
+        with self.keeper.lock:   # NOTE: the batcher's thread inserts finished sequences
+            return super().drop_cache()
+
     def decode(self, req: Req, info: PrefillInfo, kv_pages: torch.Tensor,
                handoff_s: float = 0.0, states: torch.Tensor | None = None) -> DecodeInfo:
         """Every token at once. Raises ``ValueError`` if the pages, ``states`` (a hybrid
