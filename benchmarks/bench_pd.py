@@ -38,7 +38,7 @@ from pd_cache.app.bench.targets import LocalTarget
 from pd_cache.app.bench.workloads import Workload, multi_turn_workload
 from pd_cache.app.run import percentile
 from pd_cache.app.session import ray_session
-from pd_cache.cluster.pd_cluster import totals
+from pd_cache.core.wire import totals
 
 SEED = 1234
 RESULTS = Path(__file__).parent / "results" / "pd.json"
@@ -117,7 +117,7 @@ def measure(cfg: ClusterConfig, stream: Workload, lockstep: bool) -> dict:
     ttft = [c.ttft_s for c in done]
     generated = sum(len(c.output_ids) for c in done)
     cached = sum(t["cached_tokens"].values())
-    return {
+    return {**handoff(cfg, done),
         "seconds": seconds, "requests": len(done),
         "requests_per_s": len(done) / seconds, "generated_tokens_per_s": generated / seconds,
         "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90),
@@ -131,6 +131,16 @@ def measure(cfg: ClusterConfig, stream: Workload, lockstep: bool) -> dict:
         "prefill_s": {c.rid: c.prefill_s for c in done},
         "outputs": {c.rid: c.output_ids for c in done},
     }
+
+
+def handoff(cfg: ClusterConfig, done: list) -> dict:
+    """KV moved from prefill to decode against the prompts' pages, and what decode kept."""
+    layout = cfg.pd_config.layout
+    prompt_pages = sum(-(-c.num_prompt_tokens // layout.page_size) for c in done)
+    sent = sum(c.pages_handed_off for c in done)
+    return {"prompt_pages": prompt_pages, "pages_kept": sum(c.pages_kept for c in done),
+            "handoff_page_fraction": sent / prompt_pages, "page_bytes": layout.page_nbytes,
+            "handoff_bytes_per_request": sent * layout.page_nbytes / len(done)}
 
 
 def _own_cpu() -> float:

@@ -23,9 +23,8 @@ import numpy as np
 from pd_cache.app.bench import cli as bench_cli
 from pd_cache.app.bench.driver import Server
 from pd_cache.app.flags import add_config_arguments
-from pd_cache.cluster.pd_cluster import totals
 from pd_cache.core.cluster_config import ClusterConfig
-from pd_cache.core.wire import Completion
+from pd_cache.core.wire import Completion, totals
 
 PREAMBLE_TOKENS = 64
 

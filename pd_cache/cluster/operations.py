@@ -25,6 +25,7 @@ class ClusterOperations(ClusterKeys):
     decode: list[Any]
     storage: list[Any]
     prefill_router: PrefixRouter
+    decode_router: PrefixRouter
 
     def router_names(self, req: Req) -> list[bytes]:
         raise NotImplementedError
@@ -71,6 +72,7 @@ class ClusterOperations(ClusterKeys):
                 out[tier] += n
         out["storage"] = sum(ray.get([s.drop_all.remote() for s in self.storage]))
         self.prefill_router.forget()
+        self.decode_router.forget()
         return out
 
     def l3_writes(self) -> dict[str, int]:

@@ -4,11 +4,14 @@ One request::
 
     generate_async(req)   admit (ValueError for a bad request), name its prompt pages
                           (once: a retry is routed by the same names)
+      -> decode[d].reserve  with a decode cache: d = the worker holding the longest
+                          prefix, k = its pages locked for the handoff (decode_route.py)
       -> prefill[p]       p = longest known prefix match in req's namespace, by load
-         (info_ref, pages_ref, states_ref)   await info: TTFT; pages (and a hybrid
-                          prompt's states) stay in the object store
-      -> decode[d]        d = least loaded; fetches them itself, generates (steps
-                          batched with its other requests in flight), offloads
+         (info_ref, pages_ref, states_ref)   await info: TTFT; pages after k (and a
+                          hybrid prompt's states) stay in the object store
+      -> decode[d]        d as reserved, else the least loaded; fetches them itself,
+                          generates (steps batched with its other requests in flight),
+                          offloads, keeps its pages (decode cache)
       -> Completion       tokens, cached tokens by tier, pages moved, cross-namespace hits
 
 The router runs on one asyncio loop (no locks): ``generate`` and ``generate_many`` are
@@ -34,18 +37,18 @@ from typing import Any
 import msgspec
 
 from pd_cache.cluster.calls import abandon, unwrap
+from pd_cache.cluster.decode_route import NOTHING, DecodeRouting, Reserved, decode_balance
 from pd_cache.cluster.health import Liveness, WorkerDied, ping_all, worker_died
 from pd_cache.cluster.operations import NAMESPACE, ClusterOperations
 from pd_cache.cluster.router import PrefixRouter
 from pd_cache.core.cluster_config import ClusterConfig
 from pd_cache.core.request import Req, compute_prefix_hash
-from pd_cache.core.vocab import TIERS
 from pd_cache.core.wire import Completion, DecodeInfo, PageNames, PrefillInfo
 
 log = logging.getLogger(__name__)
 
 
-class PDCluster(ClusterOperations):
+class PDCluster(DecodeRouting, ClusterOperations):
     """N prefill, M decode and S storage actors and the router; see the module docstring."""
 
     def __init__(self, config: ClusterConfig, prefill: Sequence[Any], decode: Sequence[Any],
@@ -54,7 +57,9 @@ class PDCluster(ClusterOperations):
         self.prefill, self.decode, self.storage = list(prefill), list(decode), list(storage)
         capacity = self.pd.cache.device_pages + self.pd.cache.host_pages
         self.prefill_router = PrefixRouter(len(self.prefill), capacity, config.balance_threshold)
-        self.decode_router = PrefixRouter(len(self.decode), 0)
+        self.decode_router = PrefixRouter(len(self.decode),
+                                          capacity if self.pd.cache.decode_cache else 0,
+                                          decode_balance(config))
         self.liveness = {"prefill": Liveness("prefill", self.prefill, self.prefill_router),
                          "decode": Liveness("decode", self.decode, self.decode_router)}
 
@@ -131,11 +136,13 @@ class PDCluster(ClusterOperations):
         start, failed = time.perf_counter(), {"prefill": [], "decode": []}
         for attempt in (1, 2):
             try:
+                reserved = await self._reserve(req, names, decode_worker, failed["decode"])
                 info, handoff = await self._prefill(req, names, prefill_worker,
-                                                    failed["prefill"])
+                                                    failed["prefill"], reserved)
                 ttft = time.perf_counter() - start
-                out = await self._decode(req, info, handoff, decode_worker,
+                out = await self._decode(req, info, handoff, reserved.worker,
                                          failed["decode"])
+                self._remember(out.worker, req, names, out.output_ids)
                 break
             except WorkerDied as e:
                 if attempt == 2 or req.expired():
@@ -165,15 +172,18 @@ class PDCluster(ClusterOperations):
         ttft, out = 0.0, None
         while True:
             try:
-                info, handoff = await self._prefill(part, names, None, failed["prefill"])
+                reserved = await self._reserve(part, names, None, failed["decode"])
+                info, handoff = await self._prefill(part, names, None, failed["prefill"],
+                                                    reserved)
                 if first is None:
                     first, ttft = info, time.perf_counter() - start
                 if part.max_new_tokens:
                     sent.append(info.first_token)
                     yield info.first_token
-                async for item in self._decode_stream(part, info, handoff):
+                async for item in self._decode_stream(part, info, handoff, reserved.worker):
                     if isinstance(item, DecodeInfo):
                         out = item
+                        self._remember(out.worker, part, names, out.output_ids)
                     else:
                         sent.append(item)
                         yield item
@@ -194,9 +204,9 @@ class PDCluster(ClusterOperations):
             msgspec.structs.replace(out, output_ids=list(sent))
         yield self._complete(req, first, whole, ttft, time.perf_counter() - start, attempt)
 
-    async def _decode_stream(self, req: Req, info: PrefillInfo,
-                             handoff: Any) -> AsyncIterator[int | DecodeInfo]:
-        worker = self._pick_decode(None)
+    async def _decode_stream(self, req: Req, info: PrefillInfo, handoff: Any,
+                             pinned: int | None) -> AsyncIterator[int | DecodeInfo]:
+        worker = self._pick_decode(pinned, (), info.page_names)
         self.decode_router.begin(worker)
         actor, finished, calls = self.decode[worker], False, None
         try:
@@ -233,22 +243,32 @@ class PDCluster(ClusterOperations):
                                    algo=self.pd.cache.hash_algo)
 
     async def _prefill(self, req: Req, names: list[bytes], pinned: int | None,
-                       failed: Sequence[int] = ()) -> tuple[PrefillInfo, Any]:
+                       failed: Sequence[int] = (),
+                       reserved: Reserved = NOTHING) -> tuple[PrefillInfo, Any]:
         """Route and run prefill by ``names`` (the prompt's, ``router_names``); the router
-        learns the pages the worker now holds."""
+        learns the pages the worker now holds. The KV handed over starts after the pages
+        ``reserved`` on decode; if prefill fails, that reservation is released."""
         self.liveness["prefill"].refresh()
-        worker = self.prefill_router.pick(names, failed).worker if pinned is None else pinned
-        self._check_worker("prefill_worker", worker, self.prefill)
-        self.prefill_router.begin(worker)
+        info_ref = None
+        try:
+            worker = self.prefill_router.pick(names, failed).worker if pinned is None \
+                else pinned
+            self._check_worker("prefill_worker", worker, self.prefill)
+            self.prefill_router.begin(worker)
+        except BaseException:
+            self._release(reserved, req.rid)
+            raise
         # NOTE: the worker runs its calls in order, so once this one is queued, the next
         # request with the same prefix finds these pages there: route it by them already
         # (two clients of a tenant arriving together share the system prompt's compute).
         self.prefill_router.record(worker, names)
         try:
-            info_ref, *handoff = self.prefill[worker].prefill.remote(req)
+            info_ref, *handoff = self.prefill[worker].prefill.remote(req, reserved.kept)
             info = await self._call("prefill", worker, info_ref)
-        except asyncio.CancelledError:
-            abandon(info_ref)   # its caller went away: a prefill still queued never runs
+        except BaseException as e:
+            self._release(reserved, req.rid)   # decode will not see this request
+            if isinstance(e, asyncio.CancelledError) and info_ref is not None:
+                abandon(info_ref)   # its caller went away: a prefill still queued never runs
             raise
         finally:
             self.prefill_router.end(worker)
@@ -257,7 +277,7 @@ class PDCluster(ClusterOperations):
 
     async def _decode(self, req: Req, info: PrefillInfo, handoff: Any,
                       pinned: int | None, failed: Sequence[int] = ()) -> DecodeInfo:
-        worker = self._pick_decode(pinned, failed)
+        worker = self._pick_decode(pinned, failed, info.page_names)
         self.decode_router.begin(worker)
         try:
             ref = self.decode[worker].decode_handoff.remote(req, info, handoff)
@@ -267,25 +287,6 @@ class PDCluster(ClusterOperations):
             raise
         finally:
             self.decode_router.end(worker)
-
-    def _stop_decode(self, worker: int, rid: str, ref: Any) -> None:
-        """Its caller went away: a decode call still queued never runs, one in the batch
-        leaves it at the worker's next step."""
-        abandon(ref)
-        self.decode[worker].cancel.remote(rid)
-
-    def _pick_decode(self, pinned: int | None, failed: Sequence[int] = ()) -> int:
-        """The decode worker for a request: ``pinned``, else the fullest batch with room
-        (``decode_pack``) or the least loaded, among live workers not in ``failed``."""
-        self.liveness["decode"].refresh()
-        if pinned is not None:
-            worker = pinned
-        elif self.config.decode_pack and self.config.decode_batch > 1:
-            worker = self.decode_router.pack(self.config.decode_batch, failed)
-        else:
-            worker = self.decode_router.least_loaded(failed)
-        self._check_worker("decode_worker", worker, self.decode)
-        return worker
 
     async def _call(self, role: str, worker: int, ref: Any) -> Any:
         """Await a worker's call: its own errors come back as themselves, a dead worker
@@ -315,7 +316,7 @@ class PDCluster(ClusterOperations):
                           out.worker, ttft, latency, out.pages_received,
                           (info.cross_namespace_pages + out.cross_namespace_pages) * ps,
                           attempts, info.compute_s, out.handoff_s,
-                          out.decode_s)
+                          out.decode_s, out.pages_kept)
 
     @staticmethod
     def _check_worker(field: str, worker: Any, actors: list[Any]) -> None:
@@ -332,19 +333,4 @@ def _namer(name: str | None) -> Any:
     return options
 
 
-def totals(completions: Iterable[Completion]) -> dict[str, Any]:
-    """Sums over completions: cached tokens by tier, pages handed off, cross-namespace."""
-    out: dict[str, Any] = {"requests": 0, "prompt_tokens": 0,
-                           "cached_tokens": dict.fromkeys(TIERS, 0),
-                           "pages_handed_off": 0, "cross_namespace_tokens": 0}
-    for c in completions:
-        out["requests"] += 1
-        out["prompt_tokens"] += c.num_prompt_tokens
-        for tier, n in c.cached_tokens.items():
-            out["cached_tokens"][tier] = out["cached_tokens"].get(tier, 0) + n
-        out["pages_handed_off"] += c.pages_handed_off
-        out["cross_namespace_tokens"] += c.cross_namespace_tokens
-    return out
-
-
-__all__ = ["ClusterConfig", "Completion", "PDCluster", "PageNames", "totals"]
+__all__ = ["ClusterConfig", "Completion", "PDCluster", "PageNames"]

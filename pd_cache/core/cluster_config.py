@@ -93,6 +93,8 @@ class ClusterConfig:
     threads: int = _knob(1, "torch threads per worker actor")
     decode_batch: int = _knob(8, "requests a decode worker steps together")
     decode_pack: bool = _knob(False, "fill the busiest decode batch with room first")
+    decode_cache: bool = _knob(True, "decode workers keep a prefix cache: a conversation's "
+                                     "next turn is handed only the pages decode lacks")
     actor_cpus: float = _knob(0.0, "CPUs each worker actor reserves from Ray")
     storage_timeout_s: float = _knob(10.0, "bound on any wait for an L3 call (s)")
     storage_restarts: int = _knob(3, "restarts of a storage actor before it stays dead")
@@ -107,6 +109,7 @@ class ClusterConfig:
         check_int_at_least("worker_restarts", self.worker_restarts, -1)
         check_bool("cache", self.cache)
         check_bool("decode_pack", self.decode_pack)
+        check_bool("decode_cache", self.decode_cache)
         check_non_negative("actor_cpus", self.actor_cpus)
         check_positive("storage_timeout_s", self.storage_timeout_s)
         self.pd_config  # noqa: B018  (builds and so validates the worker config)
@@ -125,7 +128,8 @@ class ClusterConfig:
                               device_pages=self.device_pages if on else 0,
                               host_pages=self.host_pages if on else 0,
                               write_policy=self.write_policy,
-                              state_every_pages=self.state_every_pages),
+                              state_every_pages=self.state_every_pages,
+                              decode_cache=self.decode_cache and on),
             storage=StorageConfig(enabled=self.with_storage, backend=self.storage_backend,
                                   capacity_bytes=self.storage_capacity_bytes,
                                   disk_path=self.disk_path,

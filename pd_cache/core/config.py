@@ -16,6 +16,7 @@ from typing import Any
 from pd_cache.core.fields import (
     DISK_RESERVE,
     check,
+    check_bool,
     check_disk_reserve,
     check_int_at_least,
     check_non_negative,
@@ -118,7 +119,9 @@ class CacheConfig:
 
     ``state_every_pages``: a hybrid model keeps its recurrent state at every page whose
     count is a multiple of this, and at the last full page of each write (the pages a
-    cached prefix may resume from; see ``pd_cache.kv.state``).
+    cached prefix may resume from; see ``pd_cache.kv.state``). ``decode_cache``: a decode
+    worker keeps the pages it received and computed in its own radix cache, so the next turn
+    of a conversation is handed only the pages it lacks (``pd_cache.worker.decode_cache``).
     """
 
     page_size: int = 16
@@ -127,9 +130,11 @@ class CacheConfig:
     host_pages: int = 1024
     write_policy: str = "write_through"
     state_every_pages: int = 4
+    decode_cache: bool = True
 
     def __post_init__(self) -> None:
         check_positive_int("cache.page_size", self.page_size)
+        check_bool("cache.decode_cache", self.decode_cache)
         check_positive_int("cache.state_every_pages", self.state_every_pages)
         one_of("cache.hash_algo", self.hash_algo, tuple(DIGEST_SIZES))
         check_non_negative("cache.device_pages", self.device_pages)

@@ -62,6 +62,13 @@ BACKUP = "backup"                   # prefill write-through; reasons: page | fai
 OFFLOAD = "offload"                 # decode's writes; same reasons, plus the page kinds
 DECODE = "decode"                   # reasons: step (batched forwards), token (tokens drawn)
 DEADLINE = "deadline"               # reason: dropped (requests past their deadline)
+# Decode's prefix cache (``keep/<reason>``): pages reserved for a handoff, kept (used in
+# place of handed-off ones), and the reservations that were lost or did not line up (their
+# gap refilled from decode's own tiers, L3 or by recompute).
+KEEP = "keep"
+RESERVED, KEPT, LOST, SEAM, REFILLED = "reserved", "kept", "lost", "seam_mismatch", "refilled"
+# A handoff's pages: sent from prefill, or kept on decode (metric label values).
+HANDOFF_KINDS = ("sent", "kept")
 PAGE, FAILED_BATCH = "page", "failed_batch"
 # A hybrid model's recurrent states at checkpoint pages: ``state/<reason>`` counts what
 # the read path found (hit, or a MissReason) and ``backup|offload/state`` what was written.

@@ -9,9 +9,12 @@ None of them holds a tensor, so importing this module loads neither torch nor Ra
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Iterable
+from typing import Any, NamedTuple
 
 import msgspec
+
+from pd_cache.core.vocab import TIERS
 
 
 class PrefillInfo(msgspec.Struct, frozen=True, gc=False):
@@ -23,7 +26,9 @@ class PrefillInfo(msgspec.Struct, frozen=True, gc=False):
     ``cross_namespace_pages`` counts cached pages the worker refused because another
     namespace had produced them (recomputed; 0 unless a lookup is wrong). A hybrid
     model's prompt state travels beside the KV as one tensor: the state after each page of
-    ``state_pages``, then the state after the prompt's last token.
+    ``state_pages``, then the state after the prompt's last token. ``kept_pages``: the
+    prompt's leading pages the decode worker holds (reserved in its prefix cache): the KV
+    handed over starts after them.
     """
 
     rid: str
@@ -37,6 +42,7 @@ class PrefillInfo(msgspec.Struct, frozen=True, gc=False):
     cross_namespace_pages: int
     compute_s: float
     state_pages: tuple[int, ...] = ()
+    kept_pages: int = 0
 
     @property
     def cached_pages(self) -> int:
@@ -44,8 +50,13 @@ class PrefillInfo(msgspec.Struct, frozen=True, gc=False):
 
     @property
     def num_kv_pages(self) -> int:
-        """Pages handed to decode (the last one possibly partial)."""
+        """The prompt's KV pages (the last one possibly partial)."""
         return -(-self.num_prompt_tokens // self.page_size)
+
+    @property
+    def sent_pages(self) -> int:
+        """Pages handed to decode: those after ``kept_pages``."""
+        return self.num_kv_pages - self.kept_pages
 
 
 class DecodeInfo(msgspec.Struct, frozen=True, gc=False):
@@ -53,6 +64,8 @@ class DecodeInfo(msgspec.Struct, frozen=True, gc=False):
 
     ``cross_namespace_pages``: handed-off pages refused because they were computed for
     another namespace (decode recomputed the prompt instead; 0 unless routing is wrong).
+    ``pages_kept``: the prompt's pages decode supplied itself (its prefix cache, or a lost
+    reservation's gap filled from L3 or by recompute) instead of receiving them.
     """
 
     rid: str
@@ -62,6 +75,7 @@ class DecodeInfo(msgspec.Struct, frozen=True, gc=False):
     cross_namespace_pages: int
     handoff_s: float
     decode_s: float
+    pages_kept: int = 0
 
 
 class WorkerState(NamedTuple):
@@ -98,6 +112,7 @@ class Completion(NamedTuple):
     prefill_s: float = 0.0   # the prefill worker's own time (match, L3, compute)
     handoff_s: float = 0.0   # decode fetching the prompt's KV pages
     decode_s: float = 0.0    # decode, batched with the other requests in flight
+    pages_kept: int = 0      # prompt pages the decode worker already held (not handed off)
 
 
 class PageNames(NamedTuple):
@@ -107,3 +122,18 @@ class PageNames(NamedTuple):
     prefill: list[list[bytes]]
     decode: list[list[bytes]]
     storage: list[list[bytes]]
+
+
+def totals(completions: Iterable[Completion]) -> dict[str, Any]:
+    """Sums over completions: cached tokens by tier, pages handed off, cross-namespace."""
+    out: dict[str, Any] = {"requests": 0, "prompt_tokens": 0,
+                           "cached_tokens": dict.fromkeys(TIERS, 0),
+                           "pages_handed_off": 0, "cross_namespace_tokens": 0}
+    for c in completions:
+        out["requests"] += 1
+        out["prompt_tokens"] += c.num_prompt_tokens
+        for tier, n in c.cached_tokens.items():
+            out["cached_tokens"][tier] = out["cached_tokens"].get(tier, 0) + n
+        out["pages_handed_off"] += c.pages_handed_off
+        out["cross_namespace_tokens"] += c.cross_namespace_tokens
+    return out

@@ -148,6 +148,14 @@ class PDCacheMetrics:
     def observe_handoff(self, pages: int, nbytes: int, seconds: float) -> None:
         self._transfer("handoff", pages, nbytes, seconds)
 
+    def count_kept(self, pages: int, nbytes: int, by_tier: Mapping[str, int]) -> None:
+        """A handoff's pages decode supplied itself, and the tiers they came from."""
+        self._record("pd_cache_handoff_kept_pages_total", pages, "pages")
+        self._record("pd_cache_handoff_kept_bytes_total", nbytes, "nbytes")
+        for tier, n in by_tier.items():
+            if n:
+                self._record("pd_cache_decode_cache_hits_pages_total", n, "pages", tier=tier)
+
     def _transfer(self, what: str, pages: int, nbytes: int, seconds: float,
                   **labels: str) -> None:
         # Check all three before recording any, so a bad call leaves no partial trace.

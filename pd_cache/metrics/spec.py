@@ -116,6 +116,12 @@ METRICS: tuple[MetricSpec, ...] = (
     _c("pd_cache_handoff_bytes_total", (), "KV bytes handed from prefill to decode."),
     _h("pd_cache_handoff_seconds", (), "Duration of one prefill -> decode KV handoff.",
        TRANSFER_BUCKETS),
+    _c("pd_cache_handoff_kept_pages_total", (),
+       "KV pages of a prompt that decode supplied itself instead of receiving them."),
+    _c("pd_cache_handoff_kept_bytes_total", (), "KV bytes decode supplied itself (not sent)."),
+    _c("pd_cache_decode_cache_hits_pages_total", ("tier",),
+       "Prompt pages decode's prefix cache supplied, by tier (device, host: reserved; "
+       "storage: a lost reservation refilled from L3)."),
     _c("pd_cache_offload_pages_total", ("page_kind",), "Pages the decode side offloaded to L3."),
     _g("pd_cache_pool_used_pages", ("tier",), "Pages in use in a tier's pool."),
     _g("pd_cache_pool_capacity_pages", ("tier",), "Capacity of a tier's pool in pages."),

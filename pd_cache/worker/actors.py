@@ -117,11 +117,11 @@ class PrefillActor(_Hosted, PrefillWorker):
         self.algo = config.cache.hash_algo
 
     @ray.method(num_returns=3)
-    def prefill(self, req: Req) -> PrefillResult:
-        """-> info, the prompt's KV pages, a hybrid prompt's states (``None`` when plain),
-        as three objects."""
+    def prefill(self, req: Req, kept_pages: int = 0) -> PrefillResult:
+        """-> info, the prompt's KV pages after the ``kept_pages`` decode holds, a hybrid
+        prompt's states (``None`` when plain), as three objects."""
         self._saw(req)
-        return super().prefill(req)
+        return super().prefill(req, kept_pages)
 
 
 class DecodeActor(_Hosted, DecodeWorker):
@@ -201,10 +201,13 @@ def decode_actor(config: PDCacheConfig, worker_id: int, storage_handles: Sequenc
     states_ref])`` -> ``DecodeInfo`` (``[pages_ref]`` alone for a plain model).
 
     ``max_batch > 1``: up to that many requests decode together; the actor then takes
-    more calls at once than it batches (the rest wait in the batcher's queue). Restarts and
-    ``keyring`` and ``actor`` as for ``prefill_actor``.
+    more calls at once than it batches (the rest wait in the batcher's queue), as it does
+    with a decode cache (``reserve`` calls come while it decodes). Restarts, ``keyring``
+    and ``actor`` as for ``prefill_actor``.
     """
-    concurrency = 1 if max_batch == 1 else DECODE_CONCURRENCY
+    # NOTE: a decode cache answers reservations while a decode call is running.
+    serial = max_batch == 1 and not config.cache.decode_cache
+    concurrency = 1 if serial else DECODE_CONCURRENCY
     options = _options(num_cpus, max_restarts, concurrency, actor)
     return _remote(DecodeActor).options(**options).remote(
         config, worker_id, list(storage_handles), threads, storage_timeout_s, max_batch,

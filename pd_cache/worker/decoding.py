@@ -8,11 +8,16 @@ state) handed over by prefill, stepped token by token, alone or batched with oth
 
 A hybrid sequence also records the state after each page it fills until an offload write
 has taken it (the write keeps those at its checkpoints, ``pd_cache.kv.state``).
+
+With a ``keeper`` (a decode worker's prefix cache, ``pd_cache.worker.decode_cache``) a
+sequence's full pages, and a hybrid one's states at checkpoints, go into the radix cache
+when it ends, however it ends.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -28,6 +33,9 @@ from pd_cache.model.model import check_state as check_model_state
 from pd_cache.tiering.offload import DecodeOffloadManager
 from pd_cache.worker.outputs import DecodeSeq, PromptState
 
+log = logging.getLogger(__name__)
+Keeper = Callable[[Req, list[int], torch.Tensor, int, Mapping[int, torch.Tensor]], None]
+
 
 class Decoding:
     """What ``LocalEngine`` decodes with (its model, pools and offload manager)."""
@@ -40,6 +48,7 @@ class Decoding:
     state_every: int
     offload: DecodeOffloadManager | None
     layout: KVLayout
+    keeper: Keeper | None = None
 
     def _check_request(self, req: Req) -> None:
         req.check_model(vocab_size=self.config.model.vocab_size,
@@ -102,8 +111,11 @@ class Decoding:
         buf = kv.new_empty((*kv.shape[:2], n + max(steps, 1) - 1, *kv.shape[3:]))
         buf[:, :, :n] = kv
         tokens = [first_token] if steps else []
-        return DecodeSeq(req, buf, n, tokens, list(req.input_ids) + tokens, offloading,
-                         recurrent)
+        seq = DecodeSeq(req, buf, n, tokens, list(req.input_ids) + tokens, offloading,
+                        recurrent)
+        if self.keeper is not None and state is not None:
+            seq.kept_states = dict(state.pages)
+        return seq
 
     def _recurrent(self, state: PromptState | None) -> torch.Tensor | None:
         """A private copy of a hybrid prompt's final state (``None`` for a plain model)."""
@@ -130,8 +142,16 @@ class Decoding:
             seq.tokens.append(token)
             seq.seq.append(token)
             seq.pos += 1
+            if self.keeper is not None and seq.recurrent is not None:
+                self._checkpoint(seq)
             if seq.state is not None:
                 self._offload(seq)
+
+    def _checkpoint(self, seq: DecodeSeq) -> None:
+        """Keep a hybrid sequence's state at a checkpoint page it just filled."""
+        page, rest = divmod(seq.pos, self.page_size)
+        if not rest and page % self.state_every == 0:
+            seq.kept_states[page - 1] = seq.recurrent.clone()
 
     def _offload(self, seq: DecodeSeq) -> None:
         """Hand the offload manager the pages filled so far (a hybrid model's states at
@@ -157,4 +177,19 @@ class Decoding:
             self.offload.advance(seq.state, seq.seq, seq.buf, seq.pos, final=True,
                                  page_states=seq.page_states)
             seq.state = None
+        if self.keeper is not None and not seq.kept:
+            seq.kept = True
+            self._keep(seq)
+
+    def _keep(self, seq: DecodeSeq) -> None:
+        """The sequence's full pages into decode's prefix cache (a fault there costs only
+        the reuse, never the request)."""
+        states = dict(seq.kept_states)
+        if seq.recurrent is not None and seq.pos % self.page_size == 0:
+            states[seq.pos // self.page_size - 1] = seq.recurrent
+        try:
+            self.keeper(seq.req, seq.seq, seq.buf, seq.pos, states)
+        except Exception:  # noqa: BLE001
+            log.exception("request %s: keeping its pages in decode's cache failed",
+                          seq.req.rid)
 

@@ -79,7 +79,7 @@ class DecodeSeq:
     tokens drawn so far (``seq`` = prompt + tokens, kept for offload naming). A hybrid
     model's: its recurrent state after ``pos`` tokens (``recurrent``, advanced in place)
     and, while it offloads, the state after each page completed since the last write
-    (``page_states``)."""
+    (``page_states``); what decode's prefix cache keeps of it (``kept_states``)."""
 
     req: Req
     buf: torch.Tensor
@@ -89,6 +89,10 @@ class DecodeSeq:
     state: OffloadState | None
     recurrent: torch.Tensor | None = None
     page_states: dict[int, torch.Tensor] = field(default_factory=dict)
+    # NOTE: for decode's prefix cache (``DecodeCache.keep``): a hybrid model's states at
+    # checkpoint pages, and whether the sequence's pages went into the cache already.
+    kept_states: dict[int, torch.Tensor] = field(default_factory=dict)
+    kept: bool = False
 
     @property
     def done(self) -> bool:

@@ -19,11 +19,13 @@ it (``PrefillInfo.page_names``): decode's offload writes the prompt's pages unde
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 import time
 from collections.abc import Collection, Iterator
+from contextlib import AbstractContextManager
 from typing import Any, NamedTuple
 
 import torch
@@ -34,6 +36,7 @@ from pd_cache.core.vocab import TIERS, Event, MissReason, namespace_kind
 from pd_cache.core.wire import DecodeInfo, PrefillInfo, WorkerState
 from pd_cache.metrics import PDCacheMetrics
 from pd_cache.worker.batching import DecodeBatcher
+from pd_cache.worker.decode_cache import DecodeCache, Joined
 from pd_cache.worker.engine import LocalEngine
 from pd_cache.worker.outputs import PromptState
 
@@ -116,10 +119,17 @@ class PrefillWorker(_Worker):
 
     role = "prefill"
 
-    def prefill(self, req: Req) -> PrefillResult:
+    def prefill(self, req: Req, kept_pages: int = 0) -> PrefillResult:
         """Raises ``ValueError`` for a request the model cannot serve (nothing is cached),
-        ``DeadlineExceeded`` for one past its deadline (nothing is computed)."""
+        ``DeadlineExceeded`` for one past its deadline (nothing is computed).
+
+        ``kept_pages``: the prompt's leading pages the decode worker holds (reserved
+        there); the KV returned starts after them."""
         req.check_deadline("prefill")
+        full = len(req.input_ids) // self.page_size
+        if isinstance(kept_pages, bool) or not isinstance(kept_pages, int) \
+                or not 0 <= kept_pages <= full:
+            raise ValueError(f"kept_pages: expected an int in [0, {full}], got {kept_pages!r}")
         start = time.perf_counter()
         out = self.engine.prefill(req)
         seconds = time.perf_counter() - start
@@ -127,9 +137,9 @@ class PrefillWorker(_Worker):
         states, state_pages = out.state.pack() if out.state is not None else (None, ())
         info = PrefillInfo(req.rid, self.worker_id, out.first_token, out.num_prompt_tokens,
                            self.page_size, tuple(out.page_names), cached, out.seed,
-                           out.cross_namespace_pages, seconds, state_pages)
+                           out.cross_namespace_pages, seconds, state_pages, kept_pages)
         self._record(req, info)
-        return PrefillResult(info, out.kv_pages, states)
+        return PrefillResult(info, out.kv_pages[kept_pages:], states)
 
     def _record(self, req: Req, info: PrefillInfo) -> None:
         if self.metrics is None:
@@ -157,8 +167,33 @@ class DecodeWorker(_Worker):
         """Concurrent ``decode`` calls share batched forward steps (``DecodeBatcher``), up to
         ``max_batch`` requests per step (1: one request at a time)."""
         super().__init__(config, **kwargs)
+        self.keeper: DecodeCache | None = None
+        if config.cache.decode_cache and self.engine.device_pool.capacity:
+            self.keeper = DecodeCache(self.engine)
+            self.engine.keeper = self.keeper.keep
         self.batcher = DecodeBatcher(self.engine, max_batch=max_batch, metrics=self.metrics)
         self._record_lock = threading.Lock()
+
+    def reserve(self, req: Req) -> int:
+        """Lock the longest prefix of ``req``'s prompt this worker's cache holds, for the
+        handoff that follows; pages reserved (0 without a decode cache)."""
+        return 0 if self.keeper is None else self.keeper.reserve(req)
+
+    def release(self, rid: str) -> bool:
+        """Drop a reservation whose request will not come (it went elsewhere)."""
+        return self.keeper is not None and self.keeper.release(rid)
+
+    def drop_cache(self) -> dict[str, int]:
+        with self._cache_held():
+            return super().drop_cache()
+
+    def drop_namespaces(self, seeds: Collection[bytes]) -> int:
+        with self._cache_held():
+            return super().drop_namespaces(seeds)
+
+    def _cache_held(self) -> AbstractContextManager[Any]:
+        # NOTE: the batcher's thread inserts finished sequences into the decode cache.
+        return contextlib.nullcontext() if self.keeper is None else self.keeper.lock
 
     def decode(self, req: Req, info: PrefillInfo, kv_pages: torch.Tensor,
                handoff_s: float = 0.0, states: torch.Tensor | None = None) -> DecodeInfo:
@@ -182,9 +217,14 @@ class DecodeWorker(_Worker):
         state = None if states is None else PromptState.unpack(states, info.state_pages,
                                                                self.engine.layout)
         names: tuple[bytes, ...] | None = info.page_names
+        kept: Joined | None = None
         if refused:   # another namespace's KV, and names: this request's own are made here
+            self.release(req.rid)
             kv_pages, first, state = self.engine.compute_prompt(req)
             names = None
+        elif info.kept_pages:
+            kept = self._join(req, info, kv_pages)
+            kv_pages, names = kept.pages, names if kept.seam_ok else None
         drawn: queue.SimpleQueue[int] = queue.SimpleQueue()
         done = self.batcher.submit(req, kv_pages, info.num_prompt_tokens, first, drawn.put,
                                    state=state, names=names)
@@ -195,16 +235,29 @@ class DecodeWorker(_Worker):
                 continue
         tokens = done.result()
         result = DecodeInfo(req.rid, self.worker_id, tokens, int(received.shape[0]), refused,
-                            handoff_s, time.perf_counter() - start)
+                            handoff_s, time.perf_counter() - start,
+                            kept.kept if kept else 0)
         with self._record_lock:   # calls may run on several threads; metrics deltas may not
-            self._record(req, info, result, kv_pages)
+            self._record(req, info, result, received, kept)
         yield result
+
+    def _join(self, req: Req, info: PrefillInfo, received: torch.Tensor) -> Joined:
+        """The prompt's pages from this worker's kept ones and the ``received`` rest."""
+        if self.keeper is not None:
+            return self.keeper.join(req, info, received)
+        # NOTE: kept pages announced to a worker with no cache: the prompt is computed here
+        log.error("request %s: %d pages kept for a decode worker with no cache; "
+                  "recomputing the prompt", req.rid, info.kept_pages)
+        return Joined(self.engine.compute_prompt(req)[0], info.kept_pages, {})
 
     def cancel(self, rid: str) -> None:
         """Stop decoding request ``rid`` (its client went away)."""
         self.batcher.cancel(rid)
+        self.release(rid)
 
     def state(self) -> WorkerState:
+        if self.keeper is not None:
+            self.keeper.sweep()
         return super().state()._replace(requests=self.batcher.in_flight())
 
     def _audit(self, req: Req, info: PrefillInfo) -> int:
@@ -218,10 +271,12 @@ class DecodeWorker(_Worker):
 
     def close(self) -> None:
         self.batcher.close()
+        if self.keeper is not None:
+            self.keeper.close()
         super().close()
 
     def _record(self, req: Req, info: PrefillInfo, result: DecodeInfo,
-                pages: torch.Tensor) -> None:
+                pages: torch.Tensor, kept: Joined | None) -> None:
         """Request-level figures; offloaded pages and inter-token times are recorded where
         they happen (the tiering layer, the batcher)."""
         if self.metrics is None:
@@ -231,5 +286,7 @@ class DecodeWorker(_Worker):
         m.count_tokens("decode", "generated", len(result.output_ids))
         m.observe_handoff(result.pages_received, pages.numel() * pages.element_size(),
                           result.handoff_s)
+        if kept is not None:
+            m.count_kept(kept.kept, kept.kept * self.engine.layout.page_nbytes, kept.by_tier)
         m.observe_e2e(info.compute_s + result.handoff_s + result.decode_s)
         self._set_pools()

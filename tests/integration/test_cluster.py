@@ -92,6 +92,35 @@ def test_turn_two_on_other_worker_reads_turn_one_from_l3(cluster: PDCluster,
     assert out2.cached_tokens["device"] == out2.cached_tokens["host"] == 0
 
 
+def test_a_conversation_hands_decode_only_the_pages_it_lacks(cluster: PDCluster,
+                                                             model: Model) -> None:
+    """Decode's prefix cache: turn 2 goes back to turn 1's decode worker, which kept turn 1's
+    prompt and answer; prefill hands over only the pages after them (turn 3 streamed)."""
+    ns = ("lora-9", "tenant-keep")
+    turn1 = req(tokens(31, 23), ns, max_new=9)
+    out1 = cluster.generate(turn1)
+    assert out1.pages_kept == 0 and out1.pages_handed_off == -(-23 // PS)
+    turn2 = req(turn1.input_ids + out1.output_ids + tokens(32, 6), ns, max_new=5)
+    out2 = cluster.generate(turn2)
+    held = (23 + 9 - 1) // PS   # every page whose tokens all have KV on decode
+    assert out2.output_ids == expected(model, turn2)
+    assert out2.decode_worker == out1.decode_worker and out2.pages_kept == held
+    assert out2.pages_handed_off == -(-(23 + 9 + 6) // PS) - held
+    turn3 = req(turn2.input_ids + out2.output_ids + tokens(33, 5), ns, max_new=4)
+
+    async def stream() -> Completion:
+        async for item in cluster.stream(turn3):
+            if isinstance(item, Completion):
+                return item
+        raise AssertionError("no completion")
+    out3 = asyncio.run(stream())
+    assert out3.output_ids == expected(model, turn3)
+    assert out3.pages_kept == (len(turn2.input_ids) + 5 - 1) // PS
+    stats = cluster.engine_stats()[f"decode-{out1.decode_worker}"]
+    assert stats["keep/kept"] >= held + out3.pages_kept and "keep/lost" not in stats
+    assert_idle(cluster)
+
+
 def test_identical_prompts_share_pages_only_within_a_namespace(cluster: PDCluster) -> None:
     prompt = tokens(3, 18)
     a, b = ("lora-iso", "tenant-1"), (None, "tenant-1")

@@ -119,6 +119,33 @@ def test_requests_past_their_deadline_stop_costing_work(cluster: PDCluster,
     assert_idle(cluster)
 
 
+def test_a_conversation_whose_decode_worker_is_killed_goes_on_correctly(
+        cluster: PDCluster, model: Model) -> None:
+    """kill -9 of the decode worker that keeps a conversation's pages, between its turns:
+    the next turn is the model's own answer (a full handoff elsewhere or to the restarted,
+    cold worker), and the turn after it is kept again."""
+    rng = random.Random(21)
+    turn1 = Req(rid="conv-1", input_ids=[rng.randrange(VOCAB) for _ in range(26)],
+                cache_salt="tenant-k", max_new_tokens=7)
+    out1 = cluster.generate(turn1)
+    victim = out1.decode_worker
+    pid = ray.get(cluster.decode[victim].pid.remote())
+    os.kill(pid, signal.SIGKILL)
+    turn2 = Req(rid="conv-2", input_ids=turn1.input_ids + out1.output_ids + [5, 6, 7],
+                cache_salt="tenant-k", max_new_tokens=6)
+    out2 = cluster.generate(turn2)
+    assert out2.output_ids == expected(model, turn2) and out2.pages_kept == 0
+    turn3 = Req(rid="conv-3", input_ids=turn2.input_ids + out2.output_ids + [8, 9],
+                cache_salt="tenant-k", max_new_tokens=4)
+    out3 = cluster.generate(turn3)
+    assert out3.output_ids == expected(model, turn3)
+    assert out3.pages_kept == (len(turn2.input_ids) + 6 - 1) // PS
+    wait_healthy(cluster, "decode", worker=victim)
+    assert ray.get(cluster.decode[victim].pid.remote()) != pid
+    cluster.flush()
+    assert_idle(cluster)
+
+
 @pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.9, seed=11)],
                          ids=["greedy", "sampled"])
 def test_a_stream_whose_decode_worker_is_killed_resumes_elsewhere(

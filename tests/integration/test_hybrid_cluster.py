@@ -71,6 +71,10 @@ def test_multi_turn_multi_tenant_output_equals_reference(cluster: PDCluster,
     run = closed_loop(cluster, wl, lockstep=True)
     check_answers(model, wl, run)
     assert sum(r.cached_tokens for r in run.records) > 0
+    # decode's prefix cache served turns 2 and 3 (reserved, seam checked, never refilled)
+    stats = [s for w, s in cluster.engine_stats().items() if w.startswith("decode")]
+    assert sum(s.get("keep/kept", 0) for s in stats) > 0
+    assert not any(s.get("keep/lost") or s.get("keep/seam_mismatch") for s in stats)
     assert_idle(cluster)
 
 

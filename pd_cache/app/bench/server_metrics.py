@@ -86,7 +86,10 @@ def delta(before: Counters, after: Counters) -> dict:
          "prefetch_pages_by_outcome": {"ok": n, "short": n, "failed": n},
          "backup_pages_by_outcome":   {"ok": n, "short": n, "failed": n},
          "offload_pages":             {"prompt": n, "generated": n},
-         "handoff_pages":             n,
+         "handoff_pages":             n,   (sent P->D)
+         "handoff_kept_pages":        n,   (decode's own: its prefix cache, a refill)
+         "handoff_bytes", "handoff_kept_bytes": n,
+         "decode_cache_hits_by_tier": {"device": n, "host": n, "storage": n},
          "raw":                       {'pd_cache_..._total{tier="host"}': n, ...},
          "reset_series":              ['pd_cache_...', ...]}
 
@@ -124,6 +127,11 @@ def delta(before: Counters, after: Counters) -> dict:
                                        OUTCOMES),
         "offload_pages": _by(diff, "pd_cache_offload_pages_total", "page_kind", PAGE_KINDS),
         "handoff_pages": _sum(diff, "pd_cache_handoff_pages_total"),
+        "handoff_kept_pages": _sum(diff, "pd_cache_handoff_kept_pages_total"),
+        "handoff_bytes": _sum(diff, "pd_cache_handoff_bytes_total"),
+        "handoff_kept_bytes": _sum(diff, "pd_cache_handoff_kept_bytes_total"),
+        "decode_cache_hits_by_tier": _by(diff, "pd_cache_decode_cache_hits_pages_total",
+                                         "tier", TIERS),
         "raw": {series_text(k): _number(v) for k, v in sorted(diff.items()) if v != 0},
         "reset_series": sorted(resets),
     }

@@ -85,6 +85,10 @@ def _pct(rate: float | None) -> str:
     return "-" if rate is None else f"{rate * 100:.1f}%"
 
 
+def _share(part: float, rest: float) -> float | None:
+    return part / (part + rest) if part + rest else None
+
+
 def _slo_text(slo: dict[str, float | None]) -> str:
     bounds = [f"{k[:-3].upper()}<={v:g}ms" for k, v in slo.items() if v is not None]
     return ", ".join(bounds) if bounds else "no SLO"
@@ -108,7 +112,12 @@ def _cache_rows(cache: dict[str, Any]) -> list[tuple[str, str]]:
         by_tier = delta.get("cached_tokens_by_tier", {})
         rows += [(f"server: cached tokens, {tier}", str(by_tier.get(tier, 0))) for tier in TIERS]
         offload = delta.get("offload_pages", {})
-        rows += [("server: pages handed off P->D", str(delta.get("handoff_pages", 0))),
+        sent, kept = delta.get("handoff_pages", 0), delta.get("handoff_kept_pages", 0)
+        hits = delta.get("decode_cache_hits_by_tier", {})
+        rows += [("server: pages handed off P->D", f"{sent} ({_pct(_share(sent, kept))} of "
+                                                   f"the prompts' pages)"),
+                 ("server: pages kept on decode", f"{kept} ("
+                  + ", ".join(f"{t} {hits.get(t, 0)}" for t in TIERS) + ")"),
                  ("server: pages written through", str(delta.get("backup_pages_by_outcome",
                                                                  {}).get("ok", 0))),
                  ("server: pages offloaded by decode", str(sum(offload.values()))),

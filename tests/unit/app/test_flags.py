@@ -37,6 +37,10 @@ def test_flags_parse_into_the_config() -> None:
     cfg = config_from_args(ClusterConfig, args)
     assert (cfg.num_prefill, cfg.cache, cfg.storage_backend, cfg.disk_path, cfg.actor_cpus,
             cfg.model, cfg.decode_pack) == (3, False, "disk", "/tmp/l3", 0.5, "tiny", True)
+    off = config_from_args(ClusterConfig, parser().parse_args(["--no-decode-cache"]))
+    assert not off.decode_cache and not off.pd_config.cache.decode_cache
+    assert ClusterConfig().pd_config.cache.decode_cache   # on by default
+    assert not cfg.pd_config.cache.decode_cache   # --no-cache turns every tier off
 
 
 @pytest.mark.parametrize("argv, flag", [(["--num-prefill", "two"], "--num-prefill"),

@@ -54,3 +54,19 @@ def test_down_workers_are_routed_around_until_they_are_up_again() -> None:
         r.pick(names, exclude=[1])
     r.mark_up(0)
     assert r.pick(names, exclude=[1]).worker == 0
+
+
+def test_a_conversation_goes_back_to_its_decode_worker_until_its_batch_is_full() -> None:
+    from pd_cache.cluster.decode_route import decode_balance
+    from pd_cache.core.cluster_config import ClusterConfig
+
+    threshold = decode_balance(ClusterConfig(decode_batch=4, balance_threshold=2))
+    assert threshold == 3 and decode_balance(ClusterConfig(decode_batch=1)) == 2
+    r = PrefixRouter(2, capacity_pages=64, balance_threshold=threshold)
+    names = [bytes([i]) * 16 for i in range(5)]
+    r.record(1, names[:4])   # turn 1 of the conversation decoded on worker 1
+    for _ in range(3):
+        r.begin(1)
+    assert r.pick(names) == (1, 4)   # 3 in its batch, 0 elsewhere: still worker 1
+    r.begin(1)
+    assert r.pick(names) == (0, 0)   # a full batch of 4 more than the idle one: elsewhere

@@ -106,7 +106,15 @@ def test_delta_by_tier_reason_and_prefix_cache():
     before = parse_counters(ray_text(host_1=30, host_2=50, queried=200))
     after = parse_counters(ray_text(host_1=40, host_2=90, queried=300))
     after[("pd_cache_handoff_pages_total", ())] = 12.0        # absent before: counts from 0
+    after[("pd_cache_handoff_kept_pages_total", ())] = 36.0
+    after[("pd_cache_decode_cache_hits_pages_total", (("tier", "device"),))] = 30.0
+    after[("pd_cache_decode_cache_hits_pages_total", (("tier", "storage"),))] = 6.0
     d = delta(before, after)
+    assert d["handoff_kept_pages"] == 36 and d["handoff_kept_bytes"] == 0
+    assert d["decode_cache_hits_by_tier"] == {"device": 30, "host": 0, "storage": 6}
+    for key in ("pd_cache_handoff_kept_pages_total", 'pd_cache_decode_cache_hits_pages_total'
+                '{tier="device"}', 'pd_cache_decode_cache_hits_pages_total{tier="storage"}'):
+        d["raw"].pop(key)
     assert d["cached_tokens_by_tier"] == {"device": 0, "host": 50, "storage": 0}
     assert d["storage_misses_by_reason"]["not_stored"] == 0
     assert set(d["storage_misses_by_reason"]) >= {"not_stored", "evicted", "cross_namespace"}

@@ -182,7 +182,9 @@ def test_read_lines_names_the_bad_line(tmp_path):
 
 def test_format_table():
     delta = {"prefix_cache": {"queried_tokens": 400, "hit_tokens": 250, "hit_rate": 0.625},
-             "cached_tokens_by_tier": {"device": 0, "host": 200, "storage": 50}}
+             "cached_tokens_by_tier": {"device": 0, "host": 200, "storage": 50},
+             "handoff_pages": 20, "handoff_kept_pages": 60,
+             "decode_cache_hits_by_tier": {"device": 50, "host": 4, "storage": 6}}
     text = format_table(run_summary(server_delta=delta))
     lines = text.splitlines()
     assert len({len(line) for line in lines}) == 1   # aligned: values end in one column
@@ -193,6 +195,8 @@ def test_format_table():
     assert row["hit rate: client"] == "50.0% (250/500 tok)"
     assert row["hit rate: oracle ideal / LRU"] == "70.0% / 60.0%"
     assert row["server: cached tokens, host"] == "200"
+    assert row["server: pages handed off P->D"] == "20 (25.0% of the prompts' pages)"
+    assert row["server: pages kept on decode"] == "60 (device 50, host 4, storage 6)"
     assert row["cross-tenant hit tokens"] == "0"
     assert "TTFT p50 / p90 / p99" in text and "ITL p99" in text
     assert "server:" not in format_table(run_summary())

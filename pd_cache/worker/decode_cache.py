@@ -1,0 +1,199 @@
+"""``DecodeCache``: a decode worker's prefix cache, and the handoff of only what it lacks.
+
+A decode worker keeps, in its own radix cache (the ``kv`` classes prefill uses, the same
+page names, each page with its producer's namespace seed), the full pages of every
+sequence it decoded: the prompt's and the ones it computed. The router sends the next turn
+of that conversation back to it and asks it first how much of the new prompt it holds::
+
+    reserve(req)      match + audit (seed of every page == the request's), lock the hit:
+                      -> k, the pages prefill need not send (held until the handoff or
+                      ``timeout_s``)
+    prefill(req, k)   computes the prompt as ever, hands over pages k.. only
+    join(req, info, received)
+                      seam check (the reserved pages' names == prefill's names[:k], every
+                      seed the request's) -> kept pages + received, unlocked
+    keep(...)         at the end of a sequence: its full pages into the radix cache
+
+    turn 2 prompt   |p0 p1 p2 p3 p4|p5 p6|p7..      k = 5 (turn 1's prompt and answer)
+    handed off                     |p5 p6|p7..      the new pages and the partial last one
+
+A reservation lost (the worker restarted, the timeout passed, the pages were dropped) or a
+seam that does not line up is never a wrong answer: the gap is filled by the engine's own
+prefill path (its L1/L2, then L3, then recompute) and counted (``keep/lost``,
+``keep/seam_mismatch``). Eviction is the radix cache's: least recently used, leaves (tails)
+first, within decode's pools; reserved pages are locked.
+
+Thread safety: reservations arrive on the actor's call threads while the batcher's thread
+decodes; every touch of the radix cache goes through ``lock``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import msgspec
+import torch
+
+from pd_cache.core.request import Req
+from pd_cache.core.vocab import KEEP, KEPT, LOST, REFILLED, RESERVED, SEAM, Tier
+from pd_cache.core.wire import PrefillInfo
+from pd_cache.kv import CacheKey, MatchResult
+from pd_cache.kv.pages import kv_to_pages
+from pd_cache.worker.engine import LocalEngine
+
+log = logging.getLogger(__name__)
+
+RESERVE_TIMEOUT_S = 60.0
+
+
+class Reservation(NamedTuple):
+    match: MatchResult
+    expires: float   # time.monotonic()
+
+
+class Joined(NamedTuple):
+    """The prompt's whole page tensor, how many of its pages decode supplied and the tiers
+    they came from (pages by tier; a refill's computed pages are in none); ``seam_ok``:
+    prefill's page names line up with decode's (else decode names the pages itself)."""
+
+    pages: torch.Tensor
+    kept: int
+    by_tier: dict[str, int]
+    seam_ok: bool = True
+
+
+class DecodeCache:
+    """The prefix cache of one decode worker over its engine's radix cache."""
+
+    def __init__(self, engine: LocalEngine, *, timeout_s: float = RESERVE_TIMEOUT_S) -> None:
+        self.engine, self.cache, self.timeout_s = engine, engine.cache, timeout_s
+        self.page_size = engine.page_size
+        self.algo = engine.config.cache.hash_algo
+        self.lock = threading.RLock()
+        self._held: dict[str, Reservation] = {}
+
+    def reserve(self, req: Req) -> int:
+        """Lock the longest prefix of ``req``'s full prompt pages held here that its own
+        namespace produced; how many pages that is (0: nothing reserved)."""
+        key = CacheKey.for_request(req, page_size=self.page_size, algo=self.algo)
+        seed = req.namespace_seed(self.algo)
+        with self.lock:
+            self.release(req.rid)   # NOTE: a retried request reserves anew
+            self.sweep()
+            match = self.cache.match_prefix(key)
+            good = next((i for i, p in enumerate(match.pages) if p.seed != seed),
+                        match.num_pages)
+            match = self.cache.prefix_of(match, good)
+            if not good:
+                return 0
+            self.cache.lock(match.node)
+            self._held[req.rid] = Reservation(match, time.monotonic() + self.timeout_s)
+        self.engine.stats.count(KEEP, RESERVED, good)
+        return good
+
+    def release(self, rid: str) -> bool:
+        """Drop ``rid``'s reservation (its request went elsewhere or away)."""
+        with self.lock:
+            held = self._held.pop(rid, None)
+            if held is not None:
+                self.cache.unlock(held.match.node)
+        return held is not None
+
+    def sweep(self) -> int:
+        """Release the reservations whose handoff did not come in time."""
+        now = time.monotonic()
+        with self.lock:
+            late = [rid for rid, r in self._held.items() if r.expires <= now]
+            for rid in late:
+                log.warning("request %s: reservation timed out", rid)
+                self.release(rid)
+        return len(late)
+
+    @property
+    def num_reserved(self) -> int:
+        return len(self._held)
+
+    def join(self, req: Req, info: PrefillInfo, received: torch.Tensor) -> Joined:
+        """The prompt's pages: the ``info.kept_pages`` reserved here, then ``received``.
+
+        Raises ``ValueError`` if ``received`` is not the rest of the prompt. A reservation
+        missing or not matching prefill's names and seed is refilled (never trusted)."""
+        kept = info.kept_pages
+        if received.shape[0] != info.sent_pages:
+            raise ValueError(f"handoff: {received.shape[0]} pages for the "
+                             f"{info.sent_pages} after the {kept} kept")
+        with self.lock:
+            held = self._held.pop(req.rid, None)
+            try:
+                seam_ok = self._seam_ok(req, held.match if held else None, info, kept)
+                head, by_tier = self._read(req, info, held if seam_ok else None)
+            finally:
+                if held is not None:
+                    self.cache.unlock(held.match.node)
+        return Joined(torch.cat([head, received]), kept, by_tier, seam_ok)
+
+    def _read(self, req: Req, info: PrefillInfo,
+              held: Reservation | None) -> tuple[torch.Tensor, dict[str, int]]:
+        """The ``kept`` pages: reserved, else refilled (``held`` is ``None`` when the
+        reservation is gone or its seam did not line up)."""
+        kept = info.kept_pages
+        if held is None:
+            return self._refill(req, kept)
+        self.engine.stats.count(KEEP, KEPT, kept)
+        match = self.cache.prefix_of(self.cache.refresh(held.match), kept)
+        by_tier = {t.value: match.count(t) for t in (Tier.DEVICE, Tier.HOST)}
+        return self.cache.read_pages(match), by_tier
+
+    def _seam_ok(self, req: Req, match: MatchResult | None, info: PrefillInfo,
+                 kept: int) -> bool:
+        """Both sides of the seam name the same chain in the same namespace; the reason
+        counted and logged when not."""
+        if match is None:
+            log.warning("request %s: its reservation of %d pages is gone; refilling",
+                        req.rid, kept)
+            self.engine.stats.count(KEEP, LOST)
+            return True
+        pages = match.pages[:kept]
+        if kept <= match.num_pages and kept <= len(info.page_names) \
+                and all(p.seed == info.seed for p in pages) \
+                and tuple(p.name for p in pages) == tuple(info.page_names[:kept]):
+            return True
+        log.error("request %s: the kept pages do not line up with prefill's; refilling and "
+                  "naming the pages here", req.rid)
+        self.engine.stats.count(KEEP, SEAM)
+        return False
+
+    def _refill(self, req: Req, kept: int) -> tuple[torch.Tensor, dict[str, int]]:
+        """The first ``kept`` pages by the engine's prefill path (L1/L2, L3, compute) of
+        the prompt cut one token past them (prefill always computes the last token)."""
+        ids = list(req.input_ids[:kept * self.page_size + 1])
+        out = self.engine.prefill(msgspec.structs.replace(req, input_ids=ids,
+                                                          max_new_tokens=0, output_ids=[]))
+        self.engine.stats.count(KEEP, REFILLED, kept)
+        return (out.kv_pages[:kept].clone(),
+                {t: n // self.page_size for t, n in out.cached_tokens.items()})
+
+    def keep(self, req: Req, tokens: list[int], buf: torch.Tensor, pos: int,
+             states: Mapping[int, torch.Tensor]) -> None:
+        """Cache the full pages of a finished sequence (``tokens``: prompt + answer; ``buf``
+        its KV ``[2, L, T, Hkv, D]``, valid for ``pos`` tokens; a hybrid model's
+        ``states`` by page index)."""
+        full = pos // self.page_size
+        if not full:
+            return
+        n = full * self.page_size
+        key = CacheKey.for_request(req, tokens[:n], page_size=self.page_size, algo=self.algo)
+        pages = kv_to_pages(buf[:, :, :n], self.page_size)
+        with self.lock:
+            self.cache.insert(key, pages, req.namespace_seed(self.algo),
+                              {i: s for i, s in states.items() if i < full})
+
+    def close(self) -> None:
+        """Release every reservation (the worker is going away)."""
+        with self.lock:
+            for rid in list(self._held):
+                self.release(rid)

@@ -1,0 +1,123 @@
+"""Decode's prefix cache in one process (no Ray): a conversation's next turn is handed only
+the pages decode lacks, its answer equals the model's without a cache, and a lost or
+mismatched reservation is refilled, never trusted."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import msgspec
+import pytest
+
+from pd_cache.core.config import CacheConfig, PDCacheConfig
+from pd_cache.core.model_config import ModelConfig
+from pd_cache.core.request import Req
+from pd_cache.model.model import Model, reference_generate
+from pd_cache.storage import make_backend
+from pd_cache.worker.workers import DecodeWorker, PrefillWorker
+from tests.unit.tiering.fakes import PS, SMALL, prompt
+
+HYBRID = dataclasses.replace(SMALL, model=ModelConfig.preset("tiny-hybrid"),
+                             cache=dataclasses.replace(SMALL.cache, state_every_pages=2))
+
+
+def turn(p: PrefillWorker, d: DecodeWorker, req: Req, reserve: bool = True) -> tuple:
+    kept = d.reserve(req) if reserve else 0
+    info, pages, states = p.prefill(req, kept)
+    assert pages.shape[0] == info.sent_pages == info.num_kv_pages - kept
+    return d.decode(req, info, pages, states=states), info
+
+
+def clean(*workers: PrefillWorker | DecodeWorker) -> None:
+    for w in workers:
+        state = w.state()
+        assert state.locks == 0, (w.role, state)
+        for pool in state.pool_usage.values():
+            assert set(pool) <= {"radix"}, (w.role, state.pool_usage)
+
+
+@pytest.mark.parametrize("cfg", [SMALL, HYBRID], ids=["plain", "hybrid"])
+def test_a_second_turn_hands_off_only_the_new_pages(cfg: PDCacheConfig) -> None:
+    model = Model(cfg.model)
+    storage = make_backend(cfg.storage, cfg.layout)
+    p, d = PrefillWorker(cfg, storage=storage), DecodeWorker(cfg, storage=storage)
+    one = Req(rid="t1", input_ids=prompt(1, 19), cache_salt="a", max_new_tokens=9)
+    out1, info1 = turn(p, d, one)
+    assert info1.kept_pages == 0 and out1.output_ids == reference_generate(model, one).output_ids
+    two = Req(rid="t2", input_ids=one.input_ids + out1.output_ids + prompt(2, 6),
+              cache_salt="a", max_new_tokens=5)
+    out2, info2 = turn(p, d, two)
+    held = (19 + 9 - 1) // PS   # prompt + answer but its last token, whole pages
+    assert info2.kept_pages == out2.pages_kept == held
+    assert out2.pages_received == info2.num_kv_pages - held == -(-(19 + 9 + 6) // PS) - held
+    assert out2.output_ids == reference_generate(model, two).output_ids
+    stats = d.engine_stats()
+    assert stats["keep/reserved"] == stats["keep/kept"] == held
+    # another namespace holds nothing here: no reservation, the whole prompt handed off
+    other = msgspec.structs.replace(two, rid="t3", cache_salt="b")
+    assert d.reserve(other) == 0
+    out3, _ = turn(p, d, other)
+    assert out3.output_ids == out2.output_ids and out3.pages_kept == 0
+    clean(p, d)
+    for w in (p, d):
+        w.close()
+
+
+def test_a_lost_or_mismatched_reservation_is_refilled() -> None:
+    model = Model(SMALL.model)
+    storage = make_backend(SMALL.storage, SMALL.layout)
+    p, d = PrefillWorker(SMALL, storage=storage), DecodeWorker(SMALL, storage=storage)
+    one = Req(rid="t1", input_ids=prompt(3, 17), max_new_tokens=8)
+    out1, _ = turn(p, d, one)
+    two = Req(rid="t2", input_ids=one.input_ids + out1.output_ids + prompt(4, 3),
+              max_new_tokens=4)
+    want = reference_generate(model, two).output_ids
+    kept = d.reserve(two)
+    assert kept == (17 + 8 - 1) // PS and d.state().locks == 1
+    # the reservation is gone (a restart, a timeout): decode's own tiers refill the gap
+    assert d.release("t2") and d.state().locks == 0
+    info, pages, _ = p.prefill(two, kept)
+    assert d.decode(two, info, pages).output_ids == want
+    # a seam that does not line up (prefill named the pages otherwise): refilled too
+    # (the prompt's whole pages are held by now: turn 2 itself went through decode)
+    whole = d.reserve(two)
+    assert whole == len(two.input_ids) // PS > kept
+    info, pages, _ = p.prefill(two, whole)
+    bad = msgspec.structs.replace(info, page_names=(b"x" * 16,) + info.page_names[1:])
+    assert d.decode(two, bad, pages).output_ids == want
+    # a decode worker that restarted: cold, it reserves nothing and fills the gap itself
+    cold = DecodeWorker(SMALL, storage=storage)
+    assert cold.reserve(two) == 0
+    assert cold.decode(two, info, pages).output_ids == want
+    stats, cold_stats = d.engine_stats(), cold.engine_stats()
+    assert stats["keep/lost"] == stats["keep/seam_mismatch"] == 1
+    assert stats["keep/refilled"] == kept + whole and "keep/kept" not in stats
+    assert cold_stats["keep/lost"] == 1 and cold_stats["keep/refilled"] == whole
+    clean(p, d, cold)
+    for w in (p, d, cold):
+        w.close()
+
+
+def test_off_switch_and_eviction_within_decode_pools() -> None:
+    off = dataclasses.replace(SMALL, cache=dataclasses.replace(SMALL.cache, decode_cache=False))
+    assert CacheConfig().decode_cache and not off.cache.decode_cache
+    p, d = PrefillWorker(SMALL), DecodeWorker(off)
+    one = Req(rid="t1", input_ids=prompt(5, 13), max_new_tokens=6)
+    out1, _ = turn(p, d, one)
+    assert d.reserve(one) == 0 and d.state().pool_usage["device"] == {}
+    # on, with decode pools smaller than what passes through: LRU eviction, no leak
+    small = dataclasses.replace(SMALL, cache=dataclasses.replace(SMALL.cache, device_pages=6,
+                                                                 host_pages=4))
+    d2 = DecodeWorker(small)
+    model = Model(SMALL.model)
+    for i in range(4):
+        r = Req(rid=f"e{i}", input_ids=prompt(10 + i, 21), max_new_tokens=4)
+        out, _ = turn(p, d2, r)
+        assert out.output_ids == reference_generate(model, r).output_ids
+    usage = d2.state().pool_usage
+    assert usage["device"].get("radix", 0) <= 6 and usage["host"].get("radix", 0) <= 4
+    assert d2.reserve(r) == 21 // PS   # the latest sequence is the one kept
+    assert d2.release(r.rid)
+    clean(p, d, d2)
+    for w in (p, d, d2):
+        w.close()
