@@ -95,7 +95,7 @@ class PDCacheIngress:
         self.model = args.cluster.model
         # NOTE: a checkpoint's own tokenizer and chat template; the byte one for presets.
         self.tokenizer = tokenizer_for(self.cluster.pd.model)
-        self.admission = Admission(args.max_pending)
+        self.admission = Admission(args.ingress.max_pending)
         self._idle_trim = IdleTrim(malloc_trim())   # a burst's freed heap goes back after it
 
     async def __call__(self, request: Any) -> Any:
