@@ -91,8 +91,9 @@ def test_two_checkpoints_of_one_shape_share_no_l3_pages(ray_cluster, hf_checkpoi
     assert a.pd_config.layout.page_shape == b.pd_config.layout.page_shape
     prompt = tokens(4, 22)
     served = []
+    secret = bytes(range(32))   # one server secret: L3 keys that outlive each cluster
     for cfg in (a, b, a):   # each a fresh cluster over the same disk L3
-        cluster = PDCluster.start(cfg)
+        cluster = PDCluster.start(cfg, secret=secret)
         try:
             served.append(cluster.generate(req(prompt, 4)))
             cluster.flush()
@@ -104,7 +105,7 @@ def test_two_checkpoints_of_one_shape_share_no_l3_pages(ray_cluster, hf_checkpoi
 
 
 def test_the_openai_front_serves_text_and_chat_with_the_checkpoints_tokenizer(
-        ray_cluster, hf_checkpoints) -> None:
+        ray_cluster, hf_checkpoints, serve_url) -> None:
     openai = pytest.importorskip("openai")
     from tests.integration.serving import running_app
 
@@ -112,7 +113,7 @@ def test_the_openai_front_serves_text_and_chat_with_the_checkpoints_tokenizer(
     tok = HFTokenizer(path)
     args = {"model": path, "page_size": PS, "num_prefill": 1, "num_decode": 1,
             "num_storage": 1, "cluster_name": None}
-    with running_app(args, "pd-cache-hf") as url:
+    with running_app(serve_url, args, "pd-cache-hf") as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
         assert [m.id for m in client.models.list().data] == [path]
         prompt = "The cache layer keeps the KV of every prompt"
@@ -134,7 +135,7 @@ def test_the_openai_front_serves_text_and_chat_with_the_checkpoints_tokenizer(
 
 
 def test_an_answer_ends_at_the_checkpoints_end_of_sequence_id(ray_cluster, hf_checkpoints,
-                                                              tmp_path) -> None:
+                                                              tmp_path, serve_url) -> None:
     """A copy of the Qwen2 checkpoint whose generation config names as end-of-sequence the
     4th token its answer draws: the OpenAI front stops there (``finish_reason`` ``stop``),
     where ``transformers``' own ``generate`` stops, streamed or not; ``ignore_eos`` runs to
@@ -164,7 +165,7 @@ def test_an_answer_ends_at_the_checkpoints_end_of_sequence_id(ray_cluster, hf_ch
     assert theirs == free[:4]
     args = {"model": str(path), "page_size": PS, "num_prefill": 1, "num_decode": 1,
             "num_storage": 1, "cluster_name": None}
-    with running_app(args, "pd-cache-hf-eos") as url:
+    with running_app(serve_url, args, "pd-cache-hf-eos") as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
         model = str(path)
         out = client.completions.create(model=model, prompt=prompt, max_tokens=10)

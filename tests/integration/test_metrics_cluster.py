@@ -118,7 +118,7 @@ def test_l3_reuse_and_a_corrupted_record_reach_the_metrics_port(cluster: PDClust
     assert second.cached_tokens["storage"] >= (len(turn1) // PS) * PS
 
     # A prompt stored by prefill 0, its records corrupted in L3, then asked for by prefill 1:
-    # the tier refuses them (a miss), the worker recomputes, the output stays right.
+    # the reader refuses them (a miss), the worker recomputes, the output stays right.
     other = tokens(3, 16)
     run(other, 0)
     names = cluster.router_names(Req(rid="n", input_ids=other, cache_salt="tenant-m"))
@@ -126,18 +126,18 @@ def test_l3_reuse_and_a_corrupted_record_reach_the_metrics_port(cluster: PDClust
     assert corrupt(disk, names) == len(names)
     again = run(other, 1)
     assert again.cached_tokens["storage"] == 0
-    tier_stats = ray.get(tier.stats.remote())
-    failed = tier_stats["miss/verification_failed"]
-    assert failed >= 1
 
-    # The shard exports its own counts (no exporter elsewhere): they reach the port.
+    # Each process exports its own counts: they reach the port. Records are sealed, so the
+    # reader (prefill 1) finds the damage when it opens them: every page it asked L3 for,
+    # the prompt's reusable ones ((n - 1) // PS), counts as a verification failure there.
     port = ray_cluster.metrics_port
     storage_tokens = second.cached_tokens["storage"] + again.cached_tokens["storage"]
     got = poll(port, "ray_pd_cache_cached_tokens_total", ("tier", "storage"),
                worker_id(cluster.prefill[1]), storage_tokens)
     assert got == storage_tokens > 0
+    failed = (len(other) - 1) // PS
     got = poll(port, "ray_pd_cache_storage_misses_total", ("reason", "verification_failed"),
-               worker_id(tier), failed)
+               worker_id(cluster.prefill[1]), failed)
     assert got == failed > 0
 
     # Another model's page offered to the shard is refused, and counted by reason.

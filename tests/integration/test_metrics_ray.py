@@ -23,7 +23,7 @@ class MetricsProbe:
     """Stands in for a worker: one PDCacheMetrics per process, chosen by 'auto'."""
 
     def __init__(self) -> None:
-        self.metrics = PDCacheMetrics("auto")
+        self.metrics = PDCacheMetrics("auto", tenants=("acme",))
 
     def exporter(self) -> str:
         return self.metrics.exporter
@@ -45,6 +45,10 @@ class MetricsProbe:
         m.observe_e2e(0.4)
         m.observe_queue(0.001)
         m.observe_handoff(5, 5 * 4096, 0.0008)
+        m.count_kept(4, 4 * 4096, {"device": 3, "host": 1})   # decode held 4 pages itself
+        m.count_tenant_tokens("acme", "prompt", 80)
+        m.count_tenant_cached_tokens("acme", 64)
+        m.count_rate_limited("acme")
         m.count_offload("generated", 2)
         m.set_pool("host", 7, 1024)
         m.set_storage_usage(3 * 4096, 1 << 20, "memory")
@@ -54,6 +58,7 @@ class MetricsProbe:
         shard = Stats()
         shard.count(Event.HIT, n=3)
         shard.count(Event.MISS, MissReason.VERIFICATION_FAILED)  # a corrupted record
+        shard.count(Event.REFUSED, MissReason.DISK_FULL)         # the disk's reserve kept
         m.count_storage_stats(shard.snapshot(), source="shard0")
         shard.count(Event.HIT, n=2)
         m.count_storage_stats(shard.snapshot(), source="shard0")
@@ -95,6 +100,15 @@ def expected() -> Samples:
         key("pd_cache_storage_misses_total", reason="timeout"): 2,
         key("pd_cache_storage_events_total", backend="memory", event="hit"): 5,
         key("pd_cache_storage_events_total", backend="memory", event="miss"): 1,
+        key("pd_cache_storage_events_total", backend="memory", event="refused"): 1,
+        key("pd_cache_storage_refusals_total", backend="memory", reason="disk_full"): 1,
+        key("pd_cache_handoff_kept_pages_total"): 4,
+        key("pd_cache_handoff_kept_bytes_total"): 4 * 4096,
+        key("pd_cache_decode_cache_hits_pages_total", tier="device"): 3,
+        key("pd_cache_decode_cache_hits_pages_total", tier="host"): 1,
+        key("pd_cache_tenant_tokens_total", tenant="acme", token_kind="prompt"): 80,
+        key("pd_cache_tenant_cached_tokens_total", tenant="acme"): 64,
+        key("pd_cache_tenant_rate_limited_total", tenant="acme"): 1,
         key("pd_cache_prefetch_pages_total", backend="memory", outcome="ok"): 3,
         key("pd_cache_prefetch_bytes_total", backend="memory", outcome="ok"): 3 * 4096,
         key("pd_cache_prefetch_seconds_count", backend="memory", outcome="ok"): 1,
