@@ -69,6 +69,7 @@ class RadixCache(Evicting, PrefixCache):
         self.root = Node()
         self._clock = 0
         self._num_locks = 0
+        self._init_candidates()
 
     # -- lookup ---------------------------------------------------------------------------
 
@@ -228,6 +229,7 @@ class RadixCache(Evicting, PrefixCache):
         for i, slot in enumerate(slots):
             node = self._attach(node, key, start + i, slot, seed)
             node.host_slot = host_slots[i] if i < len(host_slots) else None
+            self._offer(node)
             new.append(node)
         self.stats.count(Event.STORED, Tier.DEVICE.value, len(new))
         if host_slots:
@@ -259,6 +261,7 @@ class RadixCache(Evicting, PrefixCache):
             self.device.write(slots, pages[:len(slots)])
         for n, s in zip(nodes, slots, strict=True):
             n.device_slot = s
+            self._offer(n)
 
     # -- locks ----------------------------------------------------------------------------
 
@@ -276,6 +279,8 @@ class RadixCache(Evicting, PrefixCache):
         self._num_locks -= 1
         for n in self._up(node):
             n.lock_ref -= 1
+            if not n.lock_ref:
+                self._unpinned(n)
 
     @property
     def num_locks(self) -> int:
