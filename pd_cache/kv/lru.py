@@ -30,7 +30,7 @@ class Candidates:
         self.slot = slot
         self._heap: list[tuple[int, int, int, Node]] = []
         self._parked: set[Node] = set()   # popped while locked: pushed back at unlock
-        self._limit = 2 * capacity + 64   # past this many entries, drop the stale ones
+        self._limit = 2 * capacity + 8   # past this many entries, drop the stale ones
 
     def __len__(self) -> int:
         return len(self._heap)
