@@ -180,6 +180,10 @@ class RadixCache(Evicting, PrefixCache):
             self.unlock(node)
         last = new[-1] if new else node
         self._touch(last)
+        # NOTE: offered once stamped (an older stamp is only pushed again when popped);
+        # nothing evicts between their attach and here.
+        for n in new:
+            self._offer(n)
         self._keep_states(last, states or {})
         return InsertResult(last, len(new), done + len(new))
 
@@ -229,7 +233,6 @@ class RadixCache(Evicting, PrefixCache):
         for i, slot in enumerate(slots):
             node = self._attach(node, key, start + i, slot, seed)
             node.host_slot = host_slots[i] if i < len(host_slots) else None
-            self._offer(node)
             new.append(node)
         self.stats.count(Event.STORED, Tier.DEVICE.value, len(new))
         if host_slots:
