@@ -3,15 +3,19 @@
 Device pages move to host (copied unless already there) or, when the host has no room,
 are dropped with their subtree; host pages are dropped. A dropped node gives back every
 slot it held, its recurrent state's included. Locked nodes are never touched.
+
+The candidates of each tier are kept as the tree changes (``pd_cache.kv.lru``), so an
+eviction costs what it evicts, not a walk of the tree. Whatever sets a slot of a node calls
+``_offer(node)``; whatever unlocks a node calls ``_unpinned`` for each node left unlocked.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable
 
 from pd_cache.core.stats import Stats
 from pd_cache.core.vocab import Event, Tier
+from pd_cache.kv.lru import Candidates
 from pd_cache.kv.node import Node, iter_nodes
 from pd_cache.kv.pool import PagePool
 from pd_cache.kv.state import StatePool
@@ -28,13 +32,19 @@ class Evicting:
     stats: Stats
     root: Node
 
+    def _init_candidates(self) -> None:
+        self._on_device = Candidates("device_slot", self.device.capacity)
+        self._on_host = Candidates("host_slot", self.host.capacity)
+
     def evict(self, tier: Tier, num_pages: int) -> int:
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 0:
             raise ValueError(f"evict: num_pages: expected an int >= 0, got {num_pages!r}")
         if Tier(tier) == Tier.DEVICE:
-            return self._evict(num_pages, self._device_evictable, self._demote)
+            return self._evict(num_pages, self._on_device, self._device_evictable,
+                               self._demote)
         if Tier(tier) == Tier.HOST:
-            return self._evict(num_pages, self._host_evictable, self._drop_host)
+            return self._evict(num_pages, self._on_host, self._host_evictable,
+                               self._drop_host)
         raise ValueError(f"evict: tier: expected 'device' or 'host', got {tier!r}")
 
     def clear(self) -> None:
@@ -51,21 +61,26 @@ class Evicting:
                 self._drop_subtree(node)
         return dropped
 
-    def _evict(self, n: int, evictable: Callable[[Node], bool],
+    def _evict(self, n: int, candidates: Candidates, evictable: Callable[[Node], bool],
                release: Callable[[Node], None]) -> int:
-        heap = [_entry(x) for x in iter_nodes(self.root) if evictable(x)]
-        heapq.heapify(heap)
         freed = 0
-        while freed < n and heap:
-            node = heapq.heappop(heap)[-1]
-            if not node.attached or not evictable(node):
-                continue
-            parent = node.parent
+        while freed < n:
+            node = candidates.pop(evictable)
+            if node is None:
+                break
             release(node)
             freed += 1
-            if parent is not None and not parent.is_root and evictable(parent):
-                heapq.heappush(heap, _entry(parent))
         return freed
+
+    def _offer(self, node: Node) -> None:
+        """``node`` got a slot, or lost a child or a child's device page."""
+        if not node.is_root:
+            self._on_device.push(node)
+            self._on_host.push(node)
+
+    def _unpinned(self, node: Node) -> None:
+        self._on_device.unpin(node)
+        self._on_host.unpin(node)
 
     def _device_evictable(self, node: Node) -> bool:
         return (node.device_slot is not None and node.lock_ref == 0
@@ -82,12 +97,15 @@ class Evicting:
             if slots:
                 self.device.copy_to(self.host, [node.device_slot], slots)
                 node.host_slot = slots[0]
+                self._on_host.push(node)
                 self.stats.count(Event.STORED, Tier.HOST.value)
         self.device.free([node.device_slot], OWNER)
         node.device_slot = None
         self.stats.count(Event.EVICTED, Tier.DEVICE.value)
         if node.host_slot is None:
             self._drop_subtree(node)
+        elif node.parent is not None:   # its last device child may have been this one
+            self._on_device.push(node.parent)
 
     def _drop_host(self, node: Node) -> None:
         self.host.free([node.host_slot], OWNER)
@@ -114,6 +132,7 @@ class Evicting:
             n.attached = False
         if node.parent is not None:
             del node.parent.children[node.name]
+            self._offer(node.parent)
 
     def _reserve(self, pool: PagePool, n: int) -> list[int]:
         """Up to ``n`` slots of ``pool`` for the tree, evicting unlocked pages to make room."""
@@ -121,9 +140,3 @@ class Evicting:
             tier = Tier.DEVICE if pool is self.device else Tier.HOST
             self.evict(tier, n - pool.num_free)
         return pool.alloc(min(n, pool.num_free), OWNER)
-
-
-
-def _entry(node: Node) -> tuple[int, int, int, Node]:
-    # NOTE: a path is touched at one clock tick; deeper nodes go first among equals.
-    return (node.last_access, -node.depth, node.seq, node)

@@ -69,6 +69,7 @@ class RadixCache(Evicting, PrefixCache):
         self.root = Node()
         self._clock = 0
         self._num_locks = 0
+        self._init_candidates()
 
     # -- lookup ---------------------------------------------------------------------------
 
@@ -179,6 +180,10 @@ class RadixCache(Evicting, PrefixCache):
             self.unlock(node)
         last = new[-1] if new else node
         self._touch(last)
+        # NOTE: offered once stamped (an older stamp is only pushed again when popped);
+        # nothing evicts between their attach and here.
+        for n in new:
+            self._offer(n)
         self._keep_states(last, states or {})
         return InsertResult(last, len(new), done + len(new))
 
@@ -259,6 +264,7 @@ class RadixCache(Evicting, PrefixCache):
             self.device.write(slots, pages[:len(slots)])
         for n, s in zip(nodes, slots, strict=True):
             n.device_slot = s
+            self._offer(n)
 
     # -- locks ----------------------------------------------------------------------------
 
@@ -276,6 +282,8 @@ class RadixCache(Evicting, PrefixCache):
         self._num_locks -= 1
         for n in self._up(node):
             n.lock_ref -= 1
+            if not n.lock_ref:
+                self._unpinned(n)
 
     @property
     def num_locks(self) -> int:
