@@ -30,6 +30,7 @@ and tell no tenant how many requests others sent.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import secrets
@@ -114,10 +115,11 @@ class PDCacheIngress:
                   "/v1/generate": ("POST", self.generate),
                   "/v1/models": ("GET", self.models), "/healthz": ("GET", self.health),
                   "/admin/drop_caches": ("POST", self.drop_caches),
-                  "/admin/keys/rotate": ("POST", self.keys), "/admin/keys/retire":
-                  ("POST", self.keys)}
-        if purged_tenant(path) is not None:
-            routes[path] = ("POST", self.keys)
+                  "/admin/keys/rotate": ("POST", functools.partial(self.keys, "rotate", None)),
+                  "/admin/keys/retire": ("POST", functools.partial(self.keys, "retire", None))}
+        purged = purged_tenant(path)
+        if purged is not None:
+            routes[path] = ("POST", functools.partial(self.keys, "purge", purged))
         if path not in routes:
             raise HTTPError(404, f"no route {path!r}; try one of {sorted(routes)}", None,
                             "not_found")
@@ -148,20 +150,13 @@ class PDCacheIngress:
 
     async def drop_caches(self, request: Any) -> Any:
         """Empty every cache tier (``PDCluster.drop_caches``); admin keys only."""
-        if not self._tenant(request).admin:
-            raise HTTPError(403, "emptying the caches needs an admin key", "authorization",
-                            "permission_denied")
+        self._admin(request, "emptying the caches")
         dropped = await asyncio.to_thread(self.cluster.drop_caches)
         return _json(200, {"dropped_pages": dropped})
 
-    async def keys(self, request: Any) -> Any:
-        """Rotate or retire the L3 keys, or purge a tenant (``front.admin``); admin keys."""
-        if not self._tenant(request).admin:
-            raise HTTPError(403, "L3 keys need an admin key", "authorization",
-                            "permission_denied")
-        path = request.url.path.rstrip("/")
-        tenant = purged_tenant(path)
-        action = "purge" if tenant is not None else path.rsplit("/", 1)[-1]
+    async def keys(self, action: str, tenant: str | None, request: Any) -> Any:
+        """Rotate or retire the L3 keys, or purge ``tenant`` (``front.admin``); admin keys."""
+        self._admin(request, "changing the L3 keys")
         return _json(200, await keys_call(self.cluster, action, tenant))
 
     async def generate(self, request: Any) -> Any:
@@ -208,6 +203,12 @@ class PDCacheIngress:
                                         req.sampling.stop_token_ids))
 
     # -- helpers -------------------------------------------------------------------------
+
+    def _admin(self, request: Any, what: str) -> None:
+        """403 unless the request's key is an admin key."""
+        if not self._tenant(request).admin:
+            raise HTTPError(403, f"{what} needs an admin key", "authorization",
+                            "permission_denied")
 
     def _tenant(self, request: Any) -> Tenant:
         if self.tenants is None:
