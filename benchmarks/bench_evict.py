@@ -15,7 +15,6 @@ fill, gives the cost of the same inserts without any eviction.
 from __future__ import annotations
 
 import argparse
-import heapq
 import json
 import random
 import statistics
@@ -27,7 +26,7 @@ import torch
 
 from pd_cache.core.config import KVLayout
 from pd_cache.kv import CacheKey, PagePool, RadixCache
-from pd_cache.kv.lru import Candidates
+from pd_cache.kv.lru import Candidates, scan_evict
 from pd_cache.kv.node import Node, iter_nodes
 
 RESULTS = Path(__file__).parent / "results" / "evict.json"
@@ -47,23 +46,7 @@ class ScanCache(RadixCache):
                release: Callable[[Node], None]) -> int:
         if not self.scan:
             return super()._evict(n, candidates, evictable, release)
-        heap = [_entry(x) for x in iter_nodes(self.root) if evictable(x)]
-        heapq.heapify(heap)
-        freed = 0
-        while freed < n and heap:
-            node = heapq.heappop(heap)[-1]
-            if not node.attached or not evictable(node):
-                continue
-            parent = node.parent
-            release(node)
-            freed += 1
-            if parent is not None and not parent.is_root and evictable(parent):
-                heapq.heappush(heap, _entry(parent))
-        return freed
-
-
-def _entry(node: Node) -> tuple[int, int, int, Node]:
-    return (node.last_access, -node.depth, node.seq, node)
+        return scan_evict(self.root, n, evictable, release)
 
 
 def requests(rng: random.Random) -> Callable[[], CacheKey]:

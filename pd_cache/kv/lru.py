@@ -20,7 +20,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable
 
-from pd_cache.kv.node import Node
+from pd_cache.kv.node import Node, iter_nodes
 
 
 class Candidates:
@@ -75,3 +75,26 @@ class Candidates:
                 latest[node] = entry
         self._heap = list(latest.values())
         heapq.heapify(self._heap)
+
+def scan_evict(root: Node, n: int, evictable: Callable[[Node], bool],
+               release: Callable[[Node], None]) -> int:
+    """The reference eviction, kept apart from ``Candidates``: a heap of every evictable
+    node from a walk of the whole tree on every call (what eviction did before the
+    candidates). ``tests/unit/kv/test_evict.py`` and ``benchmarks/bench_evict.py`` check
+    the candidates against it, step by step; nothing else calls it."""
+    def entry(node: Node) -> tuple[int, int, int, Node]:
+        return (node.last_access, -node.depth, node.seq, node)
+
+    heap = [entry(x) for x in iter_nodes(root) if evictable(x)]
+    heapq.heapify(heap)
+    freed = 0
+    while freed < n and heap:
+        node = heapq.heappop(heap)[-1]
+        if not node.attached or not evictable(node):
+            continue
+        parent = node.parent
+        release(node)
+        freed += 1
+        if parent is not None and not parent.is_root and evictable(parent):
+            heapq.heappush(heap, entry(parent))
+    return freed

@@ -7,7 +7,6 @@ agree after each one, node for node, slot for slot, and keep the pool invariants
 
 from __future__ import annotations
 
-import heapq
 import random
 from collections.abc import Callable
 
@@ -17,7 +16,7 @@ import torch
 from pd_cache.core.config import KVLayout
 from pd_cache.core.vocab import Tier
 from pd_cache.kv import CacheKey, MatchResult, PagePool, RadixCache
-from pd_cache.kv.lru import Candidates
+from pd_cache.kv.lru import Candidates, scan_evict
 from pd_cache.kv.node import Node, iter_nodes
 
 PS = 2
@@ -30,22 +29,7 @@ class ScanCache(RadixCache):
 
     def _evict(self, n: int, candidates: Candidates, evictable: Callable[[Node], bool],
                release: Callable[[Node], None]) -> int:
-        def entry(node: Node) -> tuple[int, int, int, Node]:
-            return (node.last_access, -node.depth, node.seq, node)
-
-        heap = [entry(x) for x in iter_nodes(self.root) if evictable(x)]
-        heapq.heapify(heap)
-        freed = 0
-        while freed < n and heap:
-            node = heapq.heappop(heap)[-1]
-            if not node.attached or not evictable(node):
-                continue
-            parent = node.parent
-            release(node)
-            freed += 1
-            if parent is not None and not parent.is_root and evictable(parent):
-                heapq.heappush(heap, entry(parent))
-        return freed
+        return scan_evict(self.root, n, evictable, release)
 
 
 def pools(device: int, host: int) -> tuple[PagePool, PagePool]:
