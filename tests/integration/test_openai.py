@@ -6,6 +6,7 @@ Real HTTP on 127.0.0.1."""
 from __future__ import annotations
 
 import json
+import math
 import time
 import urllib.error
 import urllib.request
@@ -177,11 +178,17 @@ def test_beyond_max_pending_is_429_with_retry_after(url: str) -> None:
 def test_a_key_over_its_rate_gets_429_with_retry_after_and_the_others_are_served(
         url: str, ray_cluster: Any) -> None:
     slow, acme = client(url, "sk-slow-0004"), client(url, "sk-acme-0001")
+    start = time.monotonic()
     served = slow.completions.create(model="tiny", prompt=PROMPT, max_tokens=3)
     with pytest.raises(openai.RateLimitError) as err:   # 0.01 requests/s: one, then wait
         slow.completions.create(model="tiny", prompt=PROMPT, max_tokens=3)
+    elapsed_ms = (time.monotonic() - start) * 1000
     headers = err.value.response.headers
-    assert 1 <= int(headers["retry-after"]) <= 100 and int(headers["retry-after-ms"]) > 0
+    # One request per 100 s: the wait is what is left of the 100 s since the first was
+    # taken, which was within the span measured here; Retry-After is it in whole seconds.
+    wait_ms = int(headers["retry-after-ms"])
+    assert 100_000 - elapsed_ms - 1 <= wait_ms <= 100_000
+    assert int(headers["retry-after"]) == math.ceil(wait_ms / 1000)
     assert headers["x-ratelimit-limit-requests"] == "1"
     assert headers["x-ratelimit-remaining-requests"] == "0"
     assert headers["x-ratelimit-reset-requests"].endswith("s")
