@@ -43,6 +43,7 @@ class Reserved(NamedTuple):
 
 NOTHING = Reserved(None, 0)
 
+
 def decode_balance(config: ClusterConfig) -> int:
     """How much busier than the least loaded decode worker the one holding a prefix may be
     and still get the request: a decode batch joins a request in flight at little cost, so
@@ -79,9 +80,9 @@ class DecodeRouting:
             try:
                 route = self.decode_router.pick(names, failed)
             except NoLiveWorker:
-                return Reserved(None, 0)
+                return NOTHING
             if not route.matched_pages:
-                return Reserved(None, 0)
+                return NOTHING
             worker = route.worker
         self._check_worker("decode_worker", worker, self.decode)
         try:
