@@ -108,6 +108,11 @@ class MatchResult(NamedTuple):
         """Hit pages that were found in ``tier``."""
         return sum(1 for p in self.pages if p.tier == tier)
 
+    def seeded(self, seed: bytes) -> int:
+        """Hit pages before the first one another namespace produced (its stored ``seed``
+        is not ``seed``): the prefix the independent audit lets a request use."""
+        return next((i for i, p in enumerate(self.pages) if p.seed != seed), len(self.pages))
+
     @property
     def names_past_hit(self) -> tuple[bytes, ...]:
         """Names of the key's full pages after the hit: what a lower tier may still have."""

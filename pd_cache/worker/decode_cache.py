@@ -85,8 +85,7 @@ class DecodeCache:
             self.release(req.rid)   # NOTE: a retried request reserves anew
             self.sweep()
             match = self.cache.match_prefix(key)
-            good = next((i for i, p in enumerate(match.pages) if p.seed != seed),
-                        match.num_pages)
+            good = match.seeded(seed)
             match = self.cache.prefix_of(match, good)
             if not good:
                 return 0

@@ -126,7 +126,7 @@ class LocalEngine(Decoding):
         """``match`` up to its first page another namespace produced, and how many pages
         that refuses. Independent of the lookup: it compares the seed each page was stored
         with against the request's own."""
-        good = next((i for i, p in enumerate(match.pages) if p.seed != seed), match.num_pages)
+        good = match.seeded(seed)
         refused = match.num_pages - good
         if refused:
             log.error("request %s: %d cached pages were produced in another namespace; "
