@@ -80,7 +80,6 @@ class Sealer:
             self._count += 1
             return self._prefix + _COUNTER.pack(self._count)
 
-
     def seal(self, record: PageRecord, tenant: str) -> PageRecord:
         """``record`` sealed under ``tenant``'s current key (itself when disabled)."""
         if not self.enabled:
