@@ -33,7 +33,8 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 SECRET_ENV = "PD_CACHE_SECRET_FILE"
-SECRET_BYTES = 32
+SECRET_BYTES = 32       # what a new secret gets
+MIN_SECRET_BYTES = 16   # what a given one must have
 _SALT = b"pd-cache/l3-seal/v1"
 _OWNER = b"pd-cache/l3-owner\x00"
 _U32 = struct.Struct("<I")
@@ -75,9 +76,7 @@ class Keyring:
     """A worker's keys: derives them from ``secret`` and knows which ones are readable."""
 
     def __init__(self, secret: bytes, state: KeyState | None = None) -> None:
-        if not isinstance(secret, bytes) or len(secret) < 16:
-            raise ValueError("secret: expected at least 16 bytes")
-        self._secret = secret
+        self._secret = checked_secret(secret)
         self.state = state or KeyState()
 
     @classmethod
@@ -105,6 +104,14 @@ class Keyring:
         return _owner(self._secret, tenant)
 
 
+def checked_secret(secret: object) -> bytes:
+    """``secret`` if it is bytes of at least ``MIN_SECRET_BYTES``, else ``ValueError``: the
+    one check for every key derived from the server secret (namespace salts, L3 keys)."""
+    if not isinstance(secret, bytes) or len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"secret: expected at least {MIN_SECRET_BYTES} bytes")
+    return secret
+
+
 @functools.lru_cache(maxsize=1024)
 def _derive(secret: bytes, tenant: str, version: int, epoch: int) -> bytes:
     name = tenant.encode()
@@ -124,9 +131,10 @@ def read_or_create_secret(path: Path) -> bytes:
     except FileExistsError:
         text = path.read_text().strip()
         try:
-            return bytes.fromhex(text)
-        except ValueError:
-            raise ValueError(f"secret file {path}: expected hex") from None
+            return checked_secret(bytes.fromhex(text))
+        except ValueError as e:
+            raise ValueError(f"secret file {path}: expected at least {MIN_SECRET_BYTES} "
+                             f"bytes in hex") from e
     secret = secrets.token_bytes(SECRET_BYTES)
     with os.fdopen(fd, "w") as f:
         f.write(secret.hex() + "\n")

@@ -20,7 +20,7 @@ import hmac
 import os
 from pathlib import Path
 
-from pd_cache.core.sealing import SECRET_ENV, read_or_create_secret
+from pd_cache.core.sealing import SECRET_ENV, checked_secret, read_or_create_secret
 from pd_cache.front.keyfile import Tenant, TenantLimits, parse_key_file
 
 KEYS_ENV = "PD_CACHE_API_KEYS_FILE"
@@ -35,13 +35,11 @@ class Tenants:
 
     def __init__(self, keys: dict[str, Tenant], secret: bytes,
                  limits: dict[str, TenantLimits] | None = None) -> None:
-        if len(secret) < 16:
-            raise ValueError("secret: expected at least 16 bytes")
         # NOTE: look keys up by their digest so the table holds no key in clear; a key's
         # rate bucket is named by another digest prefix, which reveals nothing either.
         self._by_digest = {_digest(k): t._replace(key_id=_digest(k).hex()[:16])
                            for k, t in keys.items()}
-        self._secret = secret
+        self._secret = checked_secret(secret)
         self.limits = dict(limits or {})
 
     @property
