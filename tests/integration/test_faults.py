@@ -146,6 +146,52 @@ def test_a_conversation_whose_decode_worker_is_killed_goes_on_correctly(
     assert_idle(cluster)
 
 
+def test_a_decode_worker_killed_between_its_reservation_and_the_handoff(
+        cluster: PDCluster, model: Model) -> None:
+    """kill -9 of the decode worker holding a conversation, once it has answered the next
+    turn's reservation and before the handoff reaches it: the turn is the model's own answer
+    (run again elsewhere, or refilled by the restarted, cold worker), the worker comes back,
+    the next turn is kept again, and no worker holds a lock or a request's slot."""
+    rng = random.Random(23)
+    turn1 = Req(rid="resv-1", input_ids=[rng.randrange(VOCAB) for _ in range(26)],
+                cache_salt="tenant-r", max_new_tokens=7)
+    out1 = cluster.generate(turn1)
+    victim = out1.decode_worker
+    pid = ray.get(cluster.decode[victim].pid.remote())
+    turn2 = Req(rid="resv-2", input_ids=turn1.input_ids + out1.output_ids + [5, 6, 7],
+                cache_salt="tenant-r", max_new_tokens=6)
+    prefill, answered = cluster._prefill, []
+
+    async def kill_once_reserved(req: Req, names: Any, pinned: Any, failed: Any = (),
+                                 reserved: Any = None) -> Any:
+        if reserved.worker == victim and not answered:
+            answered.append(await reserved.call)
+            os.kill(pid, signal.SIGKILL)
+        return await prefill(req, names, pinned, failed, reserved)
+    cluster._prefill = kill_once_reserved   # type: ignore[method-assign]
+    try:
+        out2 = cluster.generate(turn2)
+    finally:
+        del cluster._prefill
+    assert answered == [(26 + 7 - 1) // PS]
+    assert out2.output_ids == expected(model, turn2)
+    wait_healthy(cluster, "decode", worker=victim)
+    assert ray.get(cluster.decode[victim].pid.remote()) != pid
+    if out2.attempts == 2:   # the decode call failed: prefill again, a full handoff
+        assert out2.decode_worker != victim and out2.pages_kept == 0
+    else:                    # Ray held the call for the restarted worker: it refilled
+        stats = cluster.engine_stats()[f"decode-{victim}"]
+        assert out2.decode_worker == victim and stats["keep/lost"] == 1, stats
+    turn3 = Req(rid="resv-3", input_ids=turn2.input_ids + out2.output_ids + [8, 9],
+                cache_salt="tenant-r", max_new_tokens=4)
+    out3 = cluster.generate(turn3)
+    assert out3.output_ids == expected(model, turn3)
+    assert out3.decode_worker == out2.decode_worker
+    assert out3.pages_kept == (len(turn2.input_ids) + 6 - 1) // PS
+    cluster.flush()
+    assert_idle(cluster)
+
+
 @pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.9, seed=11)],
                          ids=["greedy", "sampled"])
 def test_a_stream_whose_decode_worker_is_killed_resumes_elsewhere(

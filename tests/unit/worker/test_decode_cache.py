@@ -12,6 +12,7 @@ import pytest
 from pd_cache.core.config import CacheConfig, PDCacheConfig
 from pd_cache.core.model_config import ModelConfig
 from pd_cache.core.request import Req
+from pd_cache.kv import CacheKey
 from pd_cache.model.model import Model, reference_generate
 from pd_cache.storage import make_backend
 from pd_cache.worker.workers import DecodeWorker, PrefillWorker
@@ -120,4 +121,32 @@ def test_off_switch_and_eviction_within_decode_pools() -> None:
     assert d2.release(r.rid)
     clean(p, d, d2)
     for w in (p, d, d2):
+        w.close()
+
+
+def test_prefill_asks_how_much_decode_kept_once_the_prompt_is_computed() -> None:
+    """``prefill(req, fn)``: ``fn`` (the reservation under way on decode) is called once,
+    after the prompt's pages are computed and cached; an answer that is not a page count of
+    the prompt hands over the whole prompt."""
+    model = Model(SMALL.model)
+    p, d = PrefillWorker(SMALL), DecodeWorker(SMALL)
+    one = Req(rid="t1", input_ids=prompt(6, 17), max_new_tokens=8)
+    out1, _ = turn(p, d, one)
+    two = Req(rid="t2", input_ids=one.input_ids + out1.output_ids + prompt(7, 3),
+              max_new_tokens=4)
+    key = CacheKey.for_request(two, page_size=PS, algo=SMALL.cache.hash_algo)
+    prefilled: list[int] = []
+
+    def reservation() -> int:
+        prefilled.append(p.engine.cache.match_prefix(key).num_pages)
+        return d.reserve(two)
+    info, pages, _ = p.prefill(two, reservation)
+    assert prefilled == [len(two.input_ids) // PS]
+    assert info.kept_pages == (17 + 8 - 1) // PS and pages.shape[0] == info.sent_pages
+    assert d.decode(two, info, pages).output_ids == reference_generate(model, two).output_ids
+    for wrong in (10**6, -1, True, None):
+        info, pages, _ = p.prefill(two, lambda: wrong)   # noqa: B023 - called right here
+        assert info.kept_pages == 0 and pages.shape[0] == info.num_kv_pages
+    clean(p, d)
+    for w in (p, d):
         w.close()
