@@ -1,9 +1,9 @@
 """Where a request decodes, and what decode already holds of its prompt.
 
 Without a decode cache a request goes, once prefilled, to the least loaded decode worker
-(or the fullest batch with room, ``decode_pack``). With one (``decode_cache``, the default)
-the router also remembers the pages each decode worker kept (the prompt and answer of each
-request it served), and before prefill::
+(or the fullest batch with room, ``decode_pack``): ``_by_load``. With one
+(``decode_cache``, the default) the router also remembers the pages each decode worker
+kept (the prompt and answer of each request it served), and before prefill::
 
     names of the prompt   -> decode_router.pick: the longest known prefix on a live worker
                              not busier than the least loaded by more than a decode batch
@@ -13,6 +13,9 @@ request it served), and before prefill::
     prefill(req, [reserve]) -> computes the prompt, then takes k from the reserve call
                              (0 if it failed) and hands over only the pages after k
     decode on that worker -> joins its k pages with the received ones (seam checked)
+    matched == 0          -> placed now by load, the worker told to expect the handoff:
+                             a client of the same tenant arriving meanwhile reserves the
+                             system prompt there (decode_cache.py's ``expect``, ``hold``)
 
 The reservation costs the time to first token nothing but the call's submission: measured
 before it was folded into prefill, awaiting it took 8 ms at the median and 26 ms at p90
@@ -41,11 +44,13 @@ log = logging.getLogger(__name__)
 
 
 class Reserved(NamedTuple):
-    """The decode worker chosen before prefill (``None``: choose after it, by load) and its
-    ``reserve`` call under way (``None``: none made), which prefill awaits."""
+    """The decode worker chosen before prefill (``None``: choose after it, by load), its
+    ``reserve`` call under way (``None``: none made), which prefill awaits, and whether the
+    worker was told to expect the handoff (a request placed before its prefill)."""
 
     worker: int | None
     call: Any = None
+    announced: bool = False
 
     @property
     def kept_arg(self) -> int | list[Any]:
@@ -81,7 +86,8 @@ class DecodeRouting:
     def _reserve(self, req: Req, names: Sequence[bytes], pinned: int | None,
                  failed: Sequence[int] = ()) -> Reserved:
         """With a decode cache: the worker holding the longest prefix of ``names`` (or
-        ``pinned``) and its reservation, asked for, not awaited; else nothing chosen yet."""
+        ``pinned``) and its reservation, asked for, not awaited; a request no worker holds
+        a prefix of is placed now (``_place``). Without: nothing chosen yet."""
         if not self.pd.cache.decode_cache:
             return Reserved(pinned)
         worker = pinned
@@ -92,10 +98,21 @@ class DecodeRouting:
             except NoLiveWorker:
                 return NOTHING
             if not route.matched_pages:
-                return NOTHING
+                return self._place(req, names, failed)
             worker = route.worker
         self._check_worker("decode_worker", worker, self.decode)
         return Reserved(worker, self.decode[worker].reserve.remote(req))
+
+    def _place(self, req: Req, names: Sequence[bytes], failed: Sequence[int]) -> Reserved:
+        """Place a request before its prefill, by load: the router learns at once that the
+        worker will hold ``names``, and the worker expects the handoff, so that a request
+        of the same prefix arriving meanwhile (another client of the tenant) reserves the
+        shared pages there, waiting for them to arrive if need be."""
+        worker = self._by_load(failed)
+        self.decode_router.record(worker, names)
+        if names:
+            self.decode[worker].expect.remote(req.rid, list(names))
+        return Reserved(worker, announced=bool(names))
 
     def _settle(self, reserved: Reserved, info: PrefillInfo, pinned: int | None) -> Reserved:
         """After prefill: a reservation it did not use (the worker held nothing, or its
@@ -108,7 +125,7 @@ class DecodeRouting:
 
     def _release(self, reserved: Reserved, rid: str) -> None:
         """The request will not use its reservation: unlock the pages there."""
-        if reserved.call is not None and reserved.worker is not None:
+        if reserved.worker is not None and (reserved.call is not None or reserved.announced):
             self.decode[reserved.worker].release.remote(rid)
 
     def _remember(self, worker: int, req: Req, names: Sequence[bytes],
@@ -131,18 +148,24 @@ class DecodeRouting:
 
     def _pick_decode(self, pinned: int | None, failed: Sequence[int] = (),
                      names: Sequence[bytes] = ()) -> int:
-        """The decode worker for a request: ``pinned``, else the fullest batch with room
-        (``decode_pack``) or the least loaded, among live workers not in ``failed``. With a
-        decode cache the router learns at once that it will hold the prompt's pages
-        ``names``: a request of the same prefix arriving meanwhile is routed by them."""
+        """The decode worker for a request: ``pinned``, else (with a decode cache) the one
+        known to hold the longest prefix of the prompt's pages ``names`` if not overloaded
+        (``decode_balance``), else by load, among live workers not in ``failed``. With a
+        decode cache the router learns at once that it will hold ``names``."""
         self.liveness["decode"].refresh()
-        if pinned is not None:
-            worker = pinned
-        elif self.config.decode_pack and self.config.decode_batch > 1:
-            worker = self.decode_router.pack(self.config.decode_batch, failed)
-        else:
-            worker = self.decode_router.least_loaded(failed)
+        worker = pinned
+        if worker is None and self.pd.cache.decode_cache and names:
+            route = self.decode_router.pick(names, failed)
+            worker = route.worker if route.matched_pages else None
+        if worker is None:
+            worker = self._by_load(failed)
         self._check_worker("decode_worker", worker, self.decode)
         if self.pd.cache.decode_cache:
             self.decode_router.record(worker, names)
         return worker
+
+    def _by_load(self, failed: Sequence[int]) -> int:
+        """The fullest batch with room (``decode_pack``) or the least loaded worker."""
+        if self.config.decode_pack and self.config.decode_batch > 1:
+            return self.decode_router.pack(self.config.decode_batch, failed)
+        return self.decode_router.least_loaded(failed)

@@ -167,8 +167,13 @@ class DecodeActor(_Hosted, DecodeWorker):
         req.check_deadline("handoff")
         self._saw(req)
         start = time.perf_counter()
-        # NOTE: [pages] or [pages, states] (a hybrid prompt's recurrent state).
-        got = ray.get(list(handoff[:2]))
+        self.expect(req.rid, info.page_names)
+        try:
+            # NOTE: [pages] or [pages, states] (a hybrid prompt's recurrent state).
+            got = ray.get(list(handoff[:2]))
+        except BaseException:
+            self.hold(req, None, None)
+            raise
         states = got[1] if len(got) > 1 else None
         yield from self.decode_stream(req, info, got[0], time.perf_counter() - start, states)
 

@@ -24,7 +24,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, NamedTuple
 
@@ -186,6 +186,19 @@ class DecodeWorker(_Worker):
         """Drop a reservation whose request will not come (it went elsewhere)."""
         return self.keeper is not None and self.keeper.release(rid)
 
+    def expect(self, rid: str, names: Sequence[bytes]) -> None:
+        """Request ``rid``'s handoff (its prompt's pages ``names``) is coming: a reservation
+        it would lengthen waits for it (until ``hold`` or ``release``)."""
+        if self.keeper is not None:
+            self.keeper.expect(rid, names)
+
+    def hold(self, req: Req, pages: torch.Tensor | None,
+             names: Sequence[bytes] | None) -> None:
+        """The prompt's joined pages into the decode cache while it decodes (``None``: they
+        did not arrive)."""
+        if self.keeper is not None:
+            self.keeper.hold(req, pages, names)
+
     def drop_cache(self) -> dict[str, int]:
         with self._cache_held():
             return super().drop_cache()
@@ -217,17 +230,20 @@ class DecodeWorker(_Worker):
         # writes into them: decode copies them into its own KV buffer, offload snapshots.
         start = time.perf_counter()
         received, first, refused = kv_pages, info.first_token, self._audit(req, info)
-        state = None if states is None else PromptState.unpack(states, info.state_pages,
-                                                               self.engine.layout)
         names: tuple[bytes, ...] | None = info.page_names
         kept: Joined | None = None
-        if refused:   # another namespace's KV, and names: this request's own are made here
-            self.release(req.rid)
-            kv_pages, first, state = self.engine.compute_prompt(req)
-            names = None
-        elif info.kept_pages:
-            kept = self._join(req, info, kv_pages)
-            kv_pages, names = kept.pages, names if kept.seam_ok else None
+        try:
+            state = None if states is None else PromptState.unpack(states, info.state_pages,
+                                                                   self.engine.layout)
+            if refused:   # another namespace's KV, and names: this request's own are made here
+                self.release(req.rid)
+                kv_pages, first, state = self.engine.compute_prompt(req)
+                names = None
+            elif info.kept_pages:
+                kept = self._join(req, info, kv_pages)
+                kv_pages, names = kept.pages, names if kept.seam_ok else None
+        finally:
+            self.hold(req, None if refused else kv_pages, names)
         drawn: queue.SimpleQueue[int] = queue.SimpleQueue()
         done = self.batcher.submit(req, kv_pages, info.num_prompt_tokens, first, drawn.put,
                                    state=state, names=names)

@@ -5,6 +5,7 @@ mismatched reservation is refilled, never trusted."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import msgspec
 import pytest
@@ -147,6 +148,36 @@ def test_prefill_asks_how_much_decode_kept_once_the_prompt_is_computed() -> None
     for wrong in (10**6, -1, True, None):
         info, pages, _ = p.prefill(two, lambda: wrong)   # noqa: B023 - called right here
         assert info.kept_pages == 0 and pages.shape[0] == info.num_kv_pages
+    clean(p, d)
+    for w in (p, d):
+        w.close()
+
+
+def test_a_first_turn_reserves_the_system_prompt_of_a_turn_still_decoding() -> None:
+    """Client A's prompt enters decode's cache when its handoff is joined: client B of the
+    same tenant, whose reservation came while A's handoff was on its way, waits for it and
+    reserves the shared system prompt while A still decodes; both answers are the model's."""
+    model = Model(SMALL.model)
+    p, d = PrefillWorker(SMALL), DecodeWorker(SMALL)
+    system = prompt(8, 4 * PS)
+    a = Req(rid="a", input_ids=system + prompt(9, 7), cache_salt="t", max_new_tokens=6)
+    b = Req(rid="b", input_ids=system + prompt(10, 5), cache_salt="t", max_new_tokens=6)
+    info_a, pages_a, _ = p.prefill(a)
+    d.expect(a.rid, info_a.page_names)        # A's handoff is on its way
+    kept: list[int] = []
+    reserving = threading.Thread(target=lambda: kept.append(d.reserve(b)))
+    reserving.start()
+    decoding = d.decode_stream(a, info_a, pages_a)
+    tokens = [next(decoding)]                 # A joined and decoding
+    reserving.join()
+    assert kept == [4] and d.state().locks == 1
+    info_b, pages_b, _ = p.prefill(b, kept[0])
+    assert pages_b.shape[0] == info_b.num_kv_pages - 4
+    out_b = d.decode(b, info_b, pages_b)
+    *rest, out_a = decoding
+    want_a = reference_generate(model, a).output_ids
+    assert [info_a.first_token, *tokens, *rest] == out_a.output_ids == want_a
+    assert out_b.pages_kept == 4 and out_b.output_ids == reference_generate(model, b).output_ids
     clean(p, d)
     for w in (p, d):
         w.close()
