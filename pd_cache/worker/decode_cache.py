@@ -93,6 +93,7 @@ class DecodeCache:
         self.lock = threading.RLock()
         self._held: dict[str, Reservation] = {}
         self._incoming: dict[str, Incoming] = {}
+        self._asked: set[str] = set()   # reservations under way
         self.holds_prompts = not engine.config.model.recurrent_layers
 
     def reserve(self, req: Req) -> int:
@@ -101,11 +102,16 @@ class DecodeCache:
         way here that would lengthen it is waited for first."""
         key = CacheKey.for_request(req, page_size=self.page_size, algo=self.algo)
         seed = req.namespace_seed(self.algo)
+        with self.lock:
+            self.release(req.rid)   # NOTE: a retried request reserves anew
+            self._asked.add(req.rid)
         coming = self._coming(key)
         if coming is not None:
             coming.wait(ARRIVAL_WAIT_S)
         with self.lock:
-            self.release(req.rid)   # NOTE: a retried request reserves anew
+            if req.rid not in self._asked:   # released while it waited: its request is gone
+                return 0
+            self._asked.discard(req.rid)
             self.sweep()
             match = self.cache.match_prefix(key)
             good = match.seeded(seed)
@@ -161,6 +167,7 @@ class DecodeCache:
         away)."""
         self._arrived(rid)
         with self.lock:
+            self._asked.discard(rid)
             held = self._held.pop(rid, None)
             if held is not None:
                 self.cache.unlock(held.match.node)

@@ -164,14 +164,23 @@ def test_a_first_turn_reserves_the_system_prompt_of_a_turn_still_decoding() -> N
     b = Req(rid="b", input_ids=system + prompt(10, 5), cache_salt="t", max_new_tokens=6)
     info_a, pages_a, _ = p.prefill(a)
     d.expect(a.rid, info_a.page_names)        # A's handoff is on its way
-    kept: list[int] = []
-    reserving = threading.Thread(target=lambda: kept.append(d.reserve(b)))
-    reserving.start()
+    c = msgspec.structs.replace(b, rid="c")   # reserves, then is released while it waits
+    kept: dict[str, int] = {}
+    reserving = [threading.Thread(target=lambda r=r: kept.update({r.rid: d.reserve(r)}))
+                 for r in (b, c)]
+    for t in reserving:
+        t.start()
+    for _ in range(1000):                     # a bounded wait: the thread is starting
+        if "c" in d.keeper._asked:
+            break
+        reserving[1].join(0.01)
+    assert d.release("c") is False            # nothing locked yet: it waits for A
     decoding = d.decode_stream(a, info_a, pages_a)
     tokens = [next(decoding)]                 # A joined and decoding
-    reserving.join()
-    assert kept == [4] and d.state().locks == 1
-    info_b, pages_b, _ = p.prefill(b, kept[0])
+    for t in reserving:
+        t.join()
+    assert kept == {"b": 4, "c": 0} and d.state().locks == 1
+    info_b, pages_b, _ = p.prefill(b, kept["b"])
     assert pages_b.shape[0] == info_b.num_kv_pages - 4
     out_b = d.decode(b, info_b, pages_b)
     *rest, out_a = decoding
