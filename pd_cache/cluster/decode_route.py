@@ -116,8 +116,8 @@ class DecodeRouting:
 
     def _settle(self, reserved: Reserved, info: PrefillInfo, pinned: int | None) -> Reserved:
         """After prefill: a reservation it did not use (the worker held nothing, or its
-        call failed or came too late) is released, and the decode worker is chosen by load
-        (unless ``pinned``)."""
+        call failed or came too late) is released, and the decode worker is chosen anew
+        (``_pick_decode``) unless ``pinned``."""
         if reserved.call is None or info.kept_pages:
             return reserved
         self._release(reserved, info.rid)
