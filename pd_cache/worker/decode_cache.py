@@ -145,7 +145,8 @@ class DecodeCache:
     def hold(self, req: Req, pages: torch.Tensor | None, names: Sequence[bytes] | None) -> None:
         """The prompt's joined ``pages`` (its full ones named ``names``) into the cache, for
         requests of the same prefix while this one decodes; ``None``: it did not arrive (a
-        failed fetch, a refused handoff). Ends what ``expect`` announced."""
+        failed fetch, a refused handoff). Ends what ``expect`` announced; never raises (the
+        request decodes from its own copy of the pages either way)."""
         try:
             if pages is not None and names and self.holds_prompts:
                 full = len(names)
@@ -153,6 +154,8 @@ class DecodeCache:
                                tuple(names), self.page_size)
                 with self.lock:
                     self.cache.insert(key, pages[:full], req.namespace_seed(self.algo))
+        except Exception:  # noqa: BLE001 - a cache failure never fails the request
+            log.exception("request %s: its prompt's pages were not kept on arrival", req.rid)
         finally:
             self._arrived(req.rid)
 

@@ -187,6 +187,10 @@ def test_a_first_turn_reserves_the_system_prompt_of_a_turn_still_decoding() -> N
     want_a = reference_generate(model, a).output_ids
     assert [info_a.first_token, *tokens, *rest] == out_a.output_ids == want_a
     assert out_b.pages_kept == 4 and out_b.output_ids == reference_generate(model, b).output_ids
+    # pages that cannot be held (names that do not fit the prompt) fail nothing
+    d.expect("z", info_a.page_names)
+    d.hold(msgspec.structs.replace(a, rid="z"), pages_a, [b"x" * 16] * 99)
+    assert not d.keeper._incoming
     clean(p, d)
     for w in (p, d):
         w.close()
