@@ -5,7 +5,8 @@ One request::
     generate_async(req)   admit (ValueError for a bad request), name its prompt pages
                           (once: a retry is routed by the same names)
       -> decode[d].reserve  with a decode cache: d = the worker holding the longest
-                          prefix, k = its pages locked for the handoff (decode_route.py)
+                          prefix, k = its pages locked for the handoff (decode_route.py);
+                          not awaited here: prefill takes k once it has computed
       -> prefill[p]       p = longest known prefix match in req's namespace, by load
          (info_ref, pages_ref, states_ref)   await info: TTFT; pages after k (and a
                           hybrid prompt's states) stay in the object store
@@ -136,9 +137,10 @@ class PDCluster(DecodeRouting, ClusterOperations):
         start, failed = time.perf_counter(), {"prefill": [], "decode": []}
         for attempt in (1, 2):
             try:
-                reserved = await self._reserve(req, names, decode_worker, failed["decode"])
+                reserved = self._reserve(req, names, decode_worker, failed["decode"])
                 info, handoff = await self._prefill(req, names, prefill_worker,
                                                     failed["prefill"], reserved)
+                reserved = self._settle(reserved, info, decode_worker)
                 ttft = time.perf_counter() - start
                 out = await self._decode(req, info, handoff, reserved.worker,
                                          failed["decode"])
@@ -172,9 +174,10 @@ class PDCluster(DecodeRouting, ClusterOperations):
         ttft, out = 0.0, None
         while True:
             try:
-                reserved = await self._reserve(part, names, None, failed["decode"])
+                reserved = self._reserve(part, names, None, failed["decode"])
                 info, handoff = await self._prefill(part, names, None, failed["prefill"],
                                                     reserved)
+                reserved = self._settle(reserved, info, None)
                 if first is None:
                     first, ttft = info, time.perf_counter() - start
                 if part.max_new_tokens:
@@ -263,7 +266,7 @@ class PDCluster(DecodeRouting, ClusterOperations):
         # (two clients of a tenant arriving together share the system prompt's compute).
         self.prefill_router.record(worker, names)
         try:
-            info_ref, *handoff = self.prefill[worker].prefill.remote(req, reserved.kept)
+            info_ref, *handoff = self.prefill[worker].prefill.remote(req, reserved.kept_arg)
             info = await self._call("prefill", worker, info_ref)
         except BaseException as e:
             self._release(reserved, req.rid)   # decode will not see this request

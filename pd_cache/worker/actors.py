@@ -13,6 +13,7 @@ which the decode worker copies before use.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import time
 import warnings
@@ -28,12 +29,15 @@ from pd_cache.core.sealing import Keyring, KeyState
 from pd_cache.core.wire import DecodeInfo, PrefillInfo
 from pd_cache.worker.workers import DecodeWorker, PrefillResult, PrefillWorker
 
+log = logging.getLogger(__name__)
+
 # NOTE: PYTHONMALLOC: the HTTP front runs with glibc's malloc (deployments/serve_config.yaml:
 # a burst's memory can then be trimmed); the workers keep CPython's own allocator, with which
 # their speed is measured (an actor's runtime_env wins over the env it inherits).
 ACTOR_ENV = {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1", "OMP_NUM_THREADS": "1",
              "PYTHONMALLOC": "pymalloc"}
 DECODE_CONCURRENCY = 64   # decode calls one batching actor takes in at once
+RESERVE_WAIT_S = 2.0      # how long a computed prompt waits for decode's reservation
 ActorOptions = dict[str, Any]
 
 
@@ -117,11 +121,26 @@ class PrefillActor(_Hosted, PrefillWorker):
         self.algo = config.cache.hash_algo
 
     @ray.method(num_returns=3)
-    def prefill(self, req: Req, kept_pages: int = 0) -> PrefillResult:
+    def prefill(self, req: Req, kept_pages: int | list[Any] = 0) -> PrefillResult:
         """-> info, the prompt's KV pages after the ``kept_pages`` decode holds, a hybrid
-        prompt's states (``None`` when plain), as three objects."""
+        prompt's states (``None`` when plain), as three objects. ``kept_pages`` may be a
+        decode worker's ``reserve`` call (its ref in a list), awaited once the prompt is
+        computed."""
         self._saw(req)
+        if isinstance(kept_pages, list):
+            return super().prefill(req, functools.partial(_reserved, kept_pages[0], req.rid))
         return super().prefill(req, kept_pages)
+
+
+def _reserved(ref: Any, rid: str) -> int:
+    """What a decode worker's ``reserve`` answered; 0 (a full handoff) if it failed (the
+    worker died) or is still not back after ``RESERVE_WAIT_S``."""
+    try:
+        return ray.get(ref, timeout=RESERVE_WAIT_S)
+    except Exception as e:  # noqa: BLE001 - any failure: decode gets the whole prompt
+        log.warning("request %s: decode's reservation failed (%s); a full handoff", rid,
+                    type(e).__name__)
+        return 0
 
 
 class DecodeActor(_Hosted, DecodeWorker):
@@ -148,8 +167,13 @@ class DecodeActor(_Hosted, DecodeWorker):
         req.check_deadline("handoff")
         self._saw(req)
         start = time.perf_counter()
-        # NOTE: [pages] or [pages, states] (a hybrid prompt's recurrent state).
-        got = ray.get(list(handoff[:2]))
+        self.expect(req.rid, info.page_names)
+        try:
+            # NOTE: [pages] or [pages, states] (a hybrid prompt's recurrent state).
+            got = ray.get(list(handoff[:2]))
+        except BaseException:
+            self.hold(req, None, None)
+            raise
         states = got[1] if len(got) > 1 else None
         yield from self.decode_stream(req, info, got[0], time.perf_counter() - start, states)
 

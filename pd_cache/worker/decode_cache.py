@@ -14,6 +14,17 @@ of that conversation back to it and asks it first how much of the new prompt it 
                       seed the request's) -> kept pages + received, unlocked
     keep(...)         at the end of a sequence: its full pages into the radix cache
 
+A prompt's pages enter the cache as soon as its handoff is joined (``hold``), not only when
+its answer ends: a request of the same prefix (another client of the tenant, its system
+prompt) reserves them while the first one decodes. A handoff announced (``expect``: by the
+router when it places a request before its prefill, and when its fetch starts) but not yet
+joined makes a reservation it would lengthen wait for it (at most ``ARRIVAL_WAIT_S``;
+prefill awaits the answer only once it has computed)::
+
+    A, B arrive together (one tenant)   router: A -> decode d (expect), B -> reserve at d
+    d: reserve(B) waits ... A's handoff joined, held -> B's system prompt pages locked
+    prefill: A, then B (its system prompt cached) -> B hands over only its own pages
+
     turn 2 prompt   |p0 p1 p2 p3 p4|p5 p6|p7..      k = 5 (turn 1's prompt and answer)
     handed off                     |p5 p6|p7..      the new pages and the partial last one
 
@@ -32,7 +43,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import msgspec
@@ -48,11 +59,17 @@ from pd_cache.worker.engine import LocalEngine
 log = logging.getLogger(__name__)
 
 RESERVE_TIMEOUT_S = 60.0
+ARRIVAL_WAIT_S = 2.0
 
 
 class Reservation(NamedTuple):
     match: MatchResult
     expires: float   # time.monotonic()
+
+
+class Incoming(NamedTuple):
+    names: tuple[bytes, ...]
+    arrived: threading.Event
 
 
 class Joined(NamedTuple):
@@ -75,14 +92,26 @@ class DecodeCache:
         self.algo = engine.config.cache.hash_algo
         self.lock = threading.RLock()
         self._held: dict[str, Reservation] = {}
+        self._incoming: dict[str, Incoming] = {}
+        self._asked: set[str] = set()   # reservations under way
+        self.holds_prompts = not engine.config.model.recurrent_layers
 
     def reserve(self, req: Req) -> int:
         """Lock the longest prefix of ``req``'s full prompt pages held here that its own
-        namespace produced; how many pages that is (0: nothing reserved)."""
+        namespace produced; how many pages that is (0: nothing reserved). A handoff on its
+        way here that would lengthen it is waited for first."""
         key = CacheKey.for_request(req, page_size=self.page_size, algo=self.algo)
         seed = req.namespace_seed(self.algo)
         with self.lock:
             self.release(req.rid)   # NOTE: a retried request reserves anew
+            self._asked.add(req.rid)
+        coming = self._coming(key)
+        if coming is not None:
+            coming.wait(ARRIVAL_WAIT_S)
+        with self.lock:
+            if req.rid not in self._asked:   # released while it waited: its request is gone
+                return 0
+            self._asked.discard(req.rid)
             self.sweep()
             match = self.cache.match_prefix(key)
             good = match.seeded(seed)
@@ -94,9 +123,54 @@ class DecodeCache:
         self.engine.stats.count(KEEP, RESERVED, good)
         return good
 
-    def release(self, rid: str) -> bool:
-        """Drop ``rid``'s reservation (its request went elsewhere or away)."""
+    def expect(self, rid: str, names: Sequence[bytes]) -> None:
+        """The handoff of a prompt named ``names`` is on its way here (until ``hold`` or
+        ``release``); announced twice, it stays the one announcement."""
+        if self.holds_prompts and names:
+            with self.lock:
+                self._incoming.setdefault(rid, Incoming(tuple(names), threading.Event()))
+
+    def _coming(self, key: CacheKey) -> threading.Event | None:
+        """The arrival to wait for: a handoff on its way sharing more of ``key`` than the
+        cache holds now."""
         with self.lock:
+            if not self._incoming:
+                return None
+            have = self.cache.match_prefix(key).num_pages
+            for names, arrived in self._incoming.values():
+                if _common(names, key.names) > have:
+                    return arrived
+        return None
+
+    def hold(self, req: Req, pages: torch.Tensor | None, names: Sequence[bytes] | None) -> None:
+        """The prompt's joined ``pages`` (its full ones named ``names``) into the cache, for
+        requests of the same prefix while this one decodes; ``None``: it did not arrive (a
+        failed fetch, a refused handoff). Ends what ``expect`` announced; never raises (the
+        request decodes from its own copy of the pages either way)."""
+        try:
+            if pages is not None and names and self.holds_prompts:
+                full = len(names)
+                key = CacheKey(req.namespace, tuple(req.input_ids[:full * self.page_size]),
+                               tuple(names), self.page_size)
+                with self.lock:
+                    self.cache.insert(key, pages[:full], req.namespace_seed(self.algo))
+        except Exception:  # noqa: BLE001 - a cache failure never fails the request
+            log.exception("request %s: its prompt's pages were not kept on arrival", req.rid)
+        finally:
+            self._arrived(req.rid)
+
+    def _arrived(self, rid: str) -> None:
+        with self.lock:
+            coming = self._incoming.pop(rid, None)
+        if coming is not None:
+            coming.arrived.set()
+
+    def release(self, rid: str) -> bool:
+        """Drop ``rid``'s reservation and announced handoff (its request went elsewhere or
+        away)."""
+        self._arrived(rid)
+        with self.lock:
+            self._asked.discard(rid)
             held = self._held.pop(rid, None)
             if held is not None:
                 self.cache.unlock(held.match.node)
@@ -196,3 +270,8 @@ class DecodeCache:
         with self.lock:
             for rid in list(self._held):
                 self.release(rid)
+
+
+def _common(a: Sequence[bytes], b: Sequence[bytes]) -> int:
+    """How many leading names ``a`` and ``b`` share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))

@@ -24,7 +24,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, NamedTuple
 
@@ -119,20 +119,23 @@ class PrefillWorker(_Worker):
 
     role = "prefill"
 
-    def prefill(self, req: Req, kept_pages: int = 0) -> PrefillResult:
+    def prefill(self, req: Req, kept_pages: int | Callable[[], int] = 0) -> PrefillResult:
         """Raises ``ValueError`` for a request the model cannot serve (nothing is cached),
         ``DeadlineExceeded`` for one past its deadline (nothing is computed).
 
         ``kept_pages``: the prompt's leading pages the decode worker holds (reserved
-        there); the KV returned starts after them."""
+        there), or a function answering it, called once the prompt is computed (so the
+        reservation runs meanwhile; an answer out of range hands over the whole prompt);
+        the KV returned starts after them."""
         req.check_deadline("prefill")
         full = len(req.input_ids) // self.page_size
-        if isinstance(kept_pages, bool) or not isinstance(kept_pages, int) \
-                or not 0 <= kept_pages <= full:
+        if not callable(kept_pages) and not _pages_in(kept_pages, full):
             raise ValueError(f"kept_pages: expected an int in [0, {full}], got {kept_pages!r}")
         start = time.perf_counter()
         out = self.engine.prefill(req)
         seconds = time.perf_counter() - start
+        if callable(kept_pages):
+            kept_pages = _answered(kept_pages(), full, req.rid)
         cached = {tier: int(out.cached_tokens.get(tier, 0)) for tier in TIERS}
         states, state_pages = out.state.pack() if out.state is not None else (None, ())
         info = PrefillInfo(req.rid, self.worker_id, out.first_token, out.num_prompt_tokens,
@@ -183,6 +186,19 @@ class DecodeWorker(_Worker):
         """Drop a reservation whose request will not come (it went elsewhere)."""
         return self.keeper is not None and self.keeper.release(rid)
 
+    def expect(self, rid: str, names: Sequence[bytes]) -> None:
+        """Request ``rid``'s handoff (its prompt's pages ``names``) is coming: a reservation
+        it would lengthen waits for it (until ``hold`` or ``release``)."""
+        if self.keeper is not None:
+            self.keeper.expect(rid, names)
+
+    def hold(self, req: Req, pages: torch.Tensor | None,
+             names: Sequence[bytes] | None) -> None:
+        """The prompt's joined pages into the decode cache while it decodes (``None``: they
+        did not arrive)."""
+        if self.keeper is not None:
+            self.keeper.hold(req, pages, names)
+
     def drop_cache(self) -> dict[str, int]:
         with self._cache_held():
             return super().drop_cache()
@@ -214,17 +230,20 @@ class DecodeWorker(_Worker):
         # writes into them: decode copies them into its own KV buffer, offload snapshots.
         start = time.perf_counter()
         received, first, refused = kv_pages, info.first_token, self._audit(req, info)
-        state = None if states is None else PromptState.unpack(states, info.state_pages,
-                                                               self.engine.layout)
         names: tuple[bytes, ...] | None = info.page_names
         kept: Joined | None = None
-        if refused:   # another namespace's KV, and names: this request's own are made here
-            self.release(req.rid)
-            kv_pages, first, state = self.engine.compute_prompt(req)
-            names = None
-        elif info.kept_pages:
-            kept = self._join(req, info, kv_pages)
-            kv_pages, names = kept.pages, names if kept.seam_ok else None
+        try:
+            state = None if states is None else PromptState.unpack(states, info.state_pages,
+                                                                   self.engine.layout)
+            if refused:   # another namespace's KV, and names: this request's own are made here
+                self.release(req.rid)
+                kv_pages, first, state = self.engine.compute_prompt(req)
+                names = None
+            elif info.kept_pages:
+                kept = self._join(req, info, kv_pages)
+                kv_pages, names = kept.pages, names if kept.seam_ok else None
+        finally:
+            self.hold(req, None if refused else kv_pages, names)
         drawn: queue.SimpleQueue[int] = queue.SimpleQueue()
         done = self.batcher.submit(req, kv_pages, info.num_prompt_tokens, first, drawn.put,
                                    state=state, names=names)
@@ -290,3 +309,16 @@ class DecodeWorker(_Worker):
             m.count_kept(kept.kept, kept.kept * self.engine.layout.page_nbytes, kept.by_tier)
         m.observe_e2e(info.compute_s + result.handoff_s + result.decode_s)
         self._set_pools()
+
+
+def _pages_in(n: Any, full: int) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= full
+
+
+def _answered(kept: Any, full: int, rid: str) -> int:
+    """Decode's answer to a reservation, 0 if it is not a page count of this prompt."""
+    if _pages_in(kept, full):
+        return int(kept)
+    log.error("request %s: decode reserved %r pages of a %d-page prompt; a full handoff",
+              rid, kept, full)
+    return 0

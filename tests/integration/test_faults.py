@@ -119,29 +119,84 @@ def test_requests_past_their_deadline_stop_costing_work(cluster: PDCluster,
     assert_idle(cluster)
 
 
+def first_turn(cluster: PDCluster, seed: int, tag: str, salt: str) -> tuple[Req, Completion]:
+    """A conversation's first turn (26 tokens, 7 drawn), served."""
+    rng = random.Random(seed)
+    turn1 = Req(rid=f"{tag}-1", input_ids=[rng.randrange(VOCAB) for _ in range(26)],
+                cache_salt=salt, max_new_tokens=7)
+    return turn1, cluster.generate(turn1)
+
+
+def next_turn(prev: Req, out: Completion, more: list[int], max_new: int) -> Req:
+    """The turn after ``prev``: its prompt, its answer ``out`` and ``more`` tokens."""
+    tag, n = prev.rid.rsplit("-", 1)
+    return Req(rid=f"{tag}-{int(n) + 1}", input_ids=prev.input_ids + out.output_ids + more,
+               cache_salt=prev.cache_salt, max_new_tokens=max_new)
+
+
+def check_kept_again(cluster: PDCluster, model: Model, prev: Req, out: Completion) -> Completion:
+    """The turn after ``prev`` (answered ``out``) is correct and finds all of ``prev``'s
+    pages but the last drawn token's kept on decode."""
+    turn = next_turn(prev, out, [8, 9], 4)
+    got = cluster.generate(turn)
+    assert got.output_ids == expected(model, turn)
+    assert got.pages_kept == (len(prev.input_ids) + len(out.output_ids) - 1) // PS
+    return got
+
+
 def test_a_conversation_whose_decode_worker_is_killed_goes_on_correctly(
         cluster: PDCluster, model: Model) -> None:
     """kill -9 of the decode worker that keeps a conversation's pages, between its turns:
     the next turn is the model's own answer (a full handoff elsewhere or to the restarted,
     cold worker), and the turn after it is kept again."""
-    rng = random.Random(21)
-    turn1 = Req(rid="conv-1", input_ids=[rng.randrange(VOCAB) for _ in range(26)],
-                cache_salt="tenant-k", max_new_tokens=7)
-    out1 = cluster.generate(turn1)
+    turn1, out1 = first_turn(cluster, 21, "conv", "tenant-k")
     victim = out1.decode_worker
     pid = ray.get(cluster.decode[victim].pid.remote())
     os.kill(pid, signal.SIGKILL)
-    turn2 = Req(rid="conv-2", input_ids=turn1.input_ids + out1.output_ids + [5, 6, 7],
-                cache_salt="tenant-k", max_new_tokens=6)
+    turn2 = next_turn(turn1, out1, [5, 6, 7], 6)
     out2 = cluster.generate(turn2)
     assert out2.output_ids == expected(model, turn2) and out2.pages_kept == 0
-    turn3 = Req(rid="conv-3", input_ids=turn2.input_ids + out2.output_ids + [8, 9],
-                cache_salt="tenant-k", max_new_tokens=4)
-    out3 = cluster.generate(turn3)
-    assert out3.output_ids == expected(model, turn3)
-    assert out3.pages_kept == (len(turn2.input_ids) + 6 - 1) // PS
+    check_kept_again(cluster, model, turn2, out2)
     wait_healthy(cluster, "decode", worker=victim)
     assert ray.get(cluster.decode[victim].pid.remote()) != pid
+    cluster.flush()
+    assert_idle(cluster)
+
+
+def test_a_decode_worker_killed_between_its_reservation_and_the_handoff(
+        cluster: PDCluster, model: Model) -> None:
+    """kill -9 of the decode worker holding a conversation, once it has answered the next
+    turn's reservation and before the handoff reaches it: the turn is the model's own answer
+    (run again elsewhere, or refilled by the restarted, cold worker), the worker comes back,
+    the next turn is kept again, and no worker holds a lock or a request's slot."""
+    turn1, out1 = first_turn(cluster, 23, "resv", "tenant-r")
+    victim = out1.decode_worker
+    pid = ray.get(cluster.decode[victim].pid.remote())
+    turn2 = next_turn(turn1, out1, [5, 6, 7], 6)
+    prefill, answered = cluster._prefill, []
+
+    async def kill_once_reserved(req: Req, names: Any, pinned: Any, failed: Any = (),
+                                 reserved: Any = None) -> Any:
+        if reserved.worker == victim and not answered:
+            answered.append(await reserved.call)
+            os.kill(pid, signal.SIGKILL)
+        return await prefill(req, names, pinned, failed, reserved)
+    cluster._prefill = kill_once_reserved   # type: ignore[method-assign]
+    try:
+        out2 = cluster.generate(turn2)
+    finally:
+        del cluster._prefill
+    assert answered == [(26 + 7 - 1) // PS]
+    assert out2.output_ids == expected(model, turn2)
+    wait_healthy(cluster, "decode", worker=victim)
+    assert ray.get(cluster.decode[victim].pid.remote()) != pid
+    if out2.attempts == 2:   # the decode call failed: prefill again, a full handoff
+        assert out2.decode_worker != victim and out2.pages_kept == 0
+    else:                    # Ray held the call for the restarted worker: it refilled
+        stats = cluster.engine_stats()[f"decode-{victim}"]
+        assert out2.decode_worker == victim and stats["keep/lost"] == 1, stats
+    out3 = check_kept_again(cluster, model, turn2, out2)
+    assert out3.decode_worker == out2.decode_worker
     cluster.flush()
     assert_idle(cluster)
 

@@ -5,6 +5,7 @@ mismatched reservation is refilled, never trusted."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import msgspec
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from pd_cache.core.config import CacheConfig, PDCacheConfig
 from pd_cache.core.model_config import ModelConfig
 from pd_cache.core.request import Req
+from pd_cache.kv import CacheKey
 from pd_cache.model.model import Model, reference_generate
 from pd_cache.storage import make_backend
 from pd_cache.worker.workers import DecodeWorker, PrefillWorker
@@ -120,4 +122,75 @@ def test_off_switch_and_eviction_within_decode_pools() -> None:
     assert d2.release(r.rid)
     clean(p, d, d2)
     for w in (p, d, d2):
+        w.close()
+
+
+def test_prefill_asks_how_much_decode_kept_once_the_prompt_is_computed() -> None:
+    """``prefill(req, fn)``: ``fn`` (the reservation under way on decode) is called once,
+    after the prompt's pages are computed and cached; an answer that is not a page count of
+    the prompt hands over the whole prompt."""
+    model = Model(SMALL.model)
+    p, d = PrefillWorker(SMALL), DecodeWorker(SMALL)
+    one = Req(rid="t1", input_ids=prompt(6, 17), max_new_tokens=8)
+    out1, _ = turn(p, d, one)
+    two = Req(rid="t2", input_ids=one.input_ids + out1.output_ids + prompt(7, 3),
+              max_new_tokens=4)
+    key = CacheKey.for_request(two, page_size=PS, algo=SMALL.cache.hash_algo)
+    prefilled: list[int] = []
+
+    def reservation() -> int:
+        prefilled.append(p.engine.cache.match_prefix(key).num_pages)
+        return d.reserve(two)
+    info, pages, _ = p.prefill(two, reservation)
+    assert prefilled == [len(two.input_ids) // PS]
+    assert info.kept_pages == (17 + 8 - 1) // PS and pages.shape[0] == info.sent_pages
+    assert d.decode(two, info, pages).output_ids == reference_generate(model, two).output_ids
+    for wrong in (10**6, -1, True, None):
+        info, pages, _ = p.prefill(two, lambda: wrong)   # noqa: B023 - called right here
+        assert info.kept_pages == 0 and pages.shape[0] == info.num_kv_pages
+    clean(p, d)
+    for w in (p, d):
+        w.close()
+
+
+def test_a_first_turn_reserves_the_system_prompt_of_a_turn_still_decoding() -> None:
+    """Client A's prompt enters decode's cache when its handoff is joined: client B of the
+    same tenant, whose reservation came while A's handoff was on its way, waits for it and
+    reserves the shared system prompt while A still decodes; both answers are the model's."""
+    model = Model(SMALL.model)
+    p, d = PrefillWorker(SMALL), DecodeWorker(SMALL)
+    system = prompt(8, 4 * PS)
+    a = Req(rid="a", input_ids=system + prompt(9, 7), cache_salt="t", max_new_tokens=6)
+    b = Req(rid="b", input_ids=system + prompt(10, 5), cache_salt="t", max_new_tokens=6)
+    info_a, pages_a, _ = p.prefill(a)
+    d.expect(a.rid, info_a.page_names)        # A's handoff is on its way
+    c = msgspec.structs.replace(b, rid="c")   # reserves, then is released while it waits
+    kept: dict[str, int] = {}
+    reserving = [threading.Thread(target=lambda r=r: kept.update({r.rid: d.reserve(r)}))
+                 for r in (b, c)]
+    for t in reserving:
+        t.start()
+    for _ in range(1000):                     # a bounded wait: the thread is starting
+        if "c" in d.keeper._asked:
+            break
+        reserving[1].join(0.01)
+    assert d.release("c") is False            # nothing locked yet: it waits for A
+    decoding = d.decode_stream(a, info_a, pages_a)
+    tokens = [next(decoding)]                 # A joined and decoding
+    for t in reserving:
+        t.join()
+    assert kept == {"b": 4, "c": 0} and d.state().locks == 1
+    info_b, pages_b, _ = p.prefill(b, kept["b"])
+    assert pages_b.shape[0] == info_b.num_kv_pages - 4
+    out_b = d.decode(b, info_b, pages_b)
+    *rest, out_a = decoding
+    want_a = reference_generate(model, a).output_ids
+    assert [info_a.first_token, *tokens, *rest] == out_a.output_ids == want_a
+    assert out_b.pages_kept == 4 and out_b.output_ids == reference_generate(model, b).output_ids
+    # pages that cannot be held (names that do not fit the prompt) fail nothing
+    d.expect("z", info_a.page_names)
+    d.hold(msgspec.structs.replace(a, rid="z"), pages_a, [b"x" * 16] * 99)
+    assert not d.keeper._incoming
+    clean(p, d)
+    for w in (p, d):
         w.close()
