@@ -86,6 +86,16 @@ class ClusterOperations(ClusterKeys):
                 out[kind] += n
         return out
 
+    def l3_calls(self) -> dict[str, int]:
+        """Calls the L3 shards answered so far, by op (exists, get, set), as they count."""
+        import ray
+
+        out: dict[str, int] = {}
+        for calls in ray.get([s.calls.remote() for s in self.storage]):
+            for op, n in calls.items():
+                out[op] = out.get(op, 0) + n
+        return out
+
     def states(self) -> list[WorkerState]:
         import ray
 

@@ -47,6 +47,17 @@ class Event(str, Enum):
     VERIFICATION_FAILED = "verification_failed"
 
 
+class StorageOp(str, Enum):
+    """An L3 call a shard answers (``pd_cache_storage_calls_total{op}``)."""
+
+    EXISTS = "exists"
+    GET = "get"
+    SET = "set"
+
+
+STORAGE_OPS: tuple[str, ...] = tuple(o.value for o in StorageOp)
+
+
 class Outcome(str, Enum):
     """How one L3 transfer (a request's prefetch or write) ended."""
 
