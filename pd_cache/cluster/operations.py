@@ -47,7 +47,8 @@ class ClusterOperations(ClusterKeys):
         if not self.storage:
             return None
         return StorageClient(self.storage, algo=self.pd.cache.hash_algo,
-                             timeout_s=timeout_s or self.config.storage_timeout_s)
+                             timeout_s=timeout_s or self.config.storage_timeout_s,
+                             segment_pages=self.pd.storage.segment_pages)
 
     def flush(self) -> None:
         """Wait until every worker's background L3 writes so far have finished."""

@@ -48,7 +48,7 @@ def _storage_client(handles: Sequence[Any], config: PDCacheConfig,
     from pd_cache.storage.tier import resolve
 
     client = StorageClient(resolve(handles), algo=config.cache.hash_algo, timeout_s=timeout_s,
-                           metrics=metrics)
+                           metrics=metrics, segment_pages=config.storage.segment_pages)
     sealer = Sealer(keyring or Keyring.random(), enabled=config.storage.seal)
     return SealedStorage(client, sealer, metrics)
 
