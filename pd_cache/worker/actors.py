@@ -117,11 +117,12 @@ class PrefillActor(_Hosted, PrefillWorker):
         self.algo = config.cache.hash_algo
 
     @ray.method(num_returns=3)
-    def prefill(self, req: Req, kept_pages: int = 0) -> PrefillResult:
+    def prefill(self, req: Req, kept_pages: int = 0,
+                l3_pages: int | None = None) -> PrefillResult:
         """-> info, the prompt's KV pages after the ``kept_pages`` decode holds, a hybrid
         prompt's states (``None`` when plain), as three objects."""
         self._saw(req)
-        return super().prefill(req, kept_pages)
+        return super().prefill(req, kept_pages, l3_pages)
 
 
 class DecodeActor(_Hosted, DecodeWorker):

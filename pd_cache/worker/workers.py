@@ -119,19 +119,24 @@ class PrefillWorker(_Worker):
 
     role = "prefill"
 
-    def prefill(self, req: Req, kept_pages: int = 0) -> PrefillResult:
+    def prefill(self, req: Req, kept_pages: int = 0,
+                l3_pages: int | None = None) -> PrefillResult:
         """Raises ``ValueError`` for a request the model cannot serve (nothing is cached),
         ``DeadlineExceeded`` for one past its deadline (nothing is computed).
 
         ``kept_pages``: the prompt's leading pages the decode worker holds (reserved
-        there); the KV returned starts after them."""
+        there); the KV returned starts after them. ``l3_pages``: the prompt chain's leading
+        pages L3 holds, as a page index says (read with no ``exists``; ``None``: no index)."""
         req.check_deadline("prefill")
         full = len(req.input_ids) // self.page_size
         if isinstance(kept_pages, bool) or not isinstance(kept_pages, int) \
                 or not 0 <= kept_pages <= full:
             raise ValueError(f"kept_pages: expected an int in [0, {full}], got {kept_pages!r}")
+        if l3_pages is not None and (isinstance(l3_pages, bool) or not isinstance(l3_pages, int)
+                                     or l3_pages < 0):
+            raise ValueError(f"l3_pages: expected an int >= 0 or None, got {l3_pages!r}")
         start = time.perf_counter()
-        out = self.engine.prefill(req)
+        out = self.engine.prefill(req, l3_pages)
         seconds = time.perf_counter() - start
         cached = {tier: int(out.cached_tokens.get(tier, 0)) for tier in TIERS}
         states, state_pages = out.state.pack() if out.state is not None else (None, ())

@@ -176,7 +176,9 @@ def test_vocabularies_are_fixed_and_names_follow_the_convention():
     assert VOCABULARIES["reason"] == tuple(r.value for r in MissReason)
     assert set(VOCABULARIES["reason"]) == {"not_stored", "evicted", "verification_failed",
                                            "namespace_refused", "timeout", "storage_error",
-                                           "cross_namespace", "disk_full", "key_retired"}
+                                           "cross_namespace", "disk_full", "key_retired",
+                                           "stale_index"}
+    assert VOCABULARIES["op"] == ("exists", "get", "set")
     suffix = {"counter": ("_total",), "histogram": ("_seconds",),
               "gauge": ("_pages", "_bytes")}
     for spec in METRICS:
