@@ -99,6 +99,17 @@ class CacheController:
                            pages[num_cached:key.num_pages], key.names[:num_cached],
                            states={i - num_cached: s for i, s in states.items()})
 
+    def held_after(self, names: Sequence[bytes], local: int, l3_pages: int | None,
+                   stale: bool = False) -> int:
+        """How many of a prompt's page ``names`` L3 holds once its prefill's write lands:
+        all of them if it holds the first ``local`` (the local hit's), as ``l3_pages`` (a
+        page index's count, unless the read found it ``stale``) or this worker's memory
+        says, since the prefill read the rest from L3 or writes it; else those known."""
+        known = self.link.held.prefix(names[:local])
+        if l3_pages is not None and not stale:
+            known = max(known, min(l3_pages, local))
+        return len(names) if known >= local else known
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for every write issued so far (``True``: all done)."""
         return self.writer.flush(timeout)

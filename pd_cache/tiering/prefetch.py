@@ -226,6 +226,7 @@ class Prefetcher:
                 self.stats.count(Event.MISS, reason, len(batch) - i)
                 return reason
             good.append(record.payload(KV_POOL))
+        self.link.held.add(batch)
         if STATE_POOL in answer:
             self._keep_state(req, chain, run.stop - 1, _padded(answer[STATE_POOL], 1)[0],
                              states)

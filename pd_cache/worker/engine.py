@@ -100,7 +100,7 @@ class LocalEngine(Decoding):
         """Prefill then decode in this process; fills ``req.output_ids``."""
         out = self.prefill(req)
         tokens = self.decode(req, out.kv_pages, out.num_prompt_tokens, out.first_token,
-                             out.state, out.page_names)
+                             out.state, out.page_names, out.l3_pages)
         return Result(req.rid, tokens, out.cached_tokens, out.logits)
 
     def prefill(self, req: Req, l3_pages: int | None = None) -> PrefillOutput:
@@ -169,6 +169,7 @@ class LocalEngine(Decoding):
             # holds past that (unless the read found the index stale).
             held = done if l3_pages is None or stored.stale else max(done, l3_pages)
             self.controller.write_through(req, key, held, pages, kept)
+            l3_pages = self.controller.held_after(key.names, local, l3_pages, stored.stale)
         logits = out.logits[-1]
         cached = {Tier.DEVICE.value: match.count(Tier.DEVICE) * self.page_size,
                   Tier.HOST.value: match.count(Tier.HOST) * self.page_size,
@@ -176,7 +177,8 @@ class LocalEngine(Decoding):
         state = None if out.state is None else PromptState(out.state, {**known, **kept})
         return PrefillOutput(req.rid, sample(logits, req.sampling, 0), pages,
                              len(req.input_ids), key.names, cached, logits, seed,
-                             refused + stored.cross_namespace, state)
+                             refused + stored.cross_namespace, state,
+                             None if self.controller is None else l3_pages)
 
     def _state_at(self, done: int, num_pages: int) -> list[int]:
         """Counts of new tokens after which a hybrid prefill keeps the state: the ends of

@@ -142,7 +142,8 @@ class PrefillWorker(_Worker):
         states, state_pages = out.state.pack() if out.state is not None else (None, ())
         info = PrefillInfo(req.rid, self.worker_id, out.first_token, out.num_prompt_tokens,
                            self.page_size, tuple(out.page_names), cached, out.seed,
-                           out.cross_namespace_pages, seconds, state_pages, kept_pages)
+                           out.cross_namespace_pages, seconds, state_pages, kept_pages,
+                           out.l3_pages)
         self._record(req, info)
         return PrefillResult(info, out.kv_pages[kept_pages:], states)
 
@@ -232,7 +233,8 @@ class DecodeWorker(_Worker):
             kv_pages, names = kept.pages, names if kept.seam_ok else None
         drawn: queue.SimpleQueue[int] = queue.SimpleQueue()
         done = self.batcher.submit(req, kv_pages, info.num_prompt_tokens, first, drawn.put,
-                                   state=state, names=names)
+                                   state=state, names=names,
+                                   l3_pages=info.l3_pages if names is not None else None)
         while not done.done() or not drawn.empty():
             try:
                 yield drawn.get(timeout=0.05)

@@ -88,3 +88,53 @@ def test_a_read_that_finds_nothing_takes_no_host_slot() -> None:
     fetched.release()
     assert engine.flush(10)
     engine.close()
+
+
+def test_a_next_turn_asks_no_exists_anywhere_and_offload_sends_only_what_l3_lacks() -> None:
+    cfg = config(batch=16, policy="wait_complete")
+    store = Wrapper(make_backend(cfg.storage, cfg.layout))
+    engine = LocalEngine(cfg, storage=store)
+    first = Req(rid="t1", input_ids=prompt(35, 42), max_new_tokens=9)
+    engine.generate(first)
+    assert engine.flush(10)
+    store.calls.clear()
+    turn = Req(rid="t2", input_ids=first.input_ids + first.output_ids + prompt(36, 13),
+               max_new_tokens=5)
+    out = engine.prefill(turn)
+    names = out.page_names
+    assert out.l3_pages == len(names)       # this worker wrote the hit; the rest it writes
+    tokens = engine.decode(turn, out.kv_pages, out.num_prompt_tokens, out.first_token,
+                           out.state, names, out.l3_pages)
+    assert engine.flush(10)
+    assert tokens == reference(engine, turn)
+    assert [op for op, *_ in store.calls] == ["get", "set", "set"]   # read, write, offload
+    offload = store.calls[-1][1]
+    assert offload[0] not in names           # generated pages only: the prompt is in L3
+    assert store.inner.batch_exists(list(names) + offload) == len(names) + len(offload)
+    # what a worker cannot vouch for, decode sends: past the pages the index or it knows
+    ctl = engine.controller
+    other = page_hashes(prompt(37, 41), PS)
+    assert ctl.held_after(other, 3, None) == 0
+    assert ctl.held_after(other, 3, 2) == 2 and ctl.held_after(other, 3, 3) == len(other)
+    assert ctl.held_after(other, 3, 3, stale=True) == 0
+    assert_clean(engine)
+    engine.close()
+
+
+def test_decode_offload_starts_where_prefill_said_l3_ends_without_asking() -> None:
+    cfg = config(batch=16, policy="wait_complete")
+    store = Wrapper(make_backend(cfg.storage, cfg.layout))
+    engine = LocalEngine(cfg, storage=store)
+    r = Req(rid="r", input_ids=prompt(38, 42), max_new_tokens=9)
+    out = engine.prefill(r)
+    assert engine.flush(10)
+    store.calls.clear()
+    engine.decode(r, out.kv_pages, out.num_prompt_tokens, out.first_token, out.state,
+                  out.page_names, 7)                                   # L3 holds 7 of 10
+    assert engine.flush(10)
+    [(op, keys, _, prefix)] = store.calls
+    assert op == "set" and keys[:3] == list(out.page_names[7:]) and prefix == \
+        list(out.page_names[:7])
+    assert r.output_ids == reference(engine, r)
+    assert_clean(engine)
+    engine.close()
