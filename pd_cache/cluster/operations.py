@@ -3,6 +3,7 @@ the way down (``shutdown``, ``destroy``)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from pd_cache.cluster.keys import ClusterKeys
@@ -86,6 +87,15 @@ class ClusterOperations(ClusterKeys):
             for kind, n in writes.items():
                 out[kind] += n
         return out
+
+    def l3_holds(self, names: Sequence[bytes]) -> int:
+        """How many of a prompt's page ``names`` (its chain from the first page, as
+        ``router_names`` gives them), from the first, L3 holds (0 without L3)."""
+        from pd_cache.storage.base import ExtraInfo
+
+        client = self.storage_client()
+        return 0 if client is None else client.batch_exists(list(names),
+                                                            ExtraInfo(prefix_keys=[]))
 
     def l3_calls(self) -> dict[str, int]:
         """Calls the L3 shards answered so far, by op (exists, get, set), as they count."""
