@@ -34,6 +34,13 @@ def served(engine: LocalEngine, store: Wrapper, r: Req,
     return tokens, out.cached_tokens["storage"], calls
 
 
+def recorded_engine() -> tuple[Wrapper, LocalEngine]:
+    """An engine over a memory backend that records its calls; prefetch waits for all."""
+    cfg = config(batch=16, policy="wait_complete")
+    store = Wrapper(make_backend(cfg.storage, cfg.layout))
+    return store, LocalEngine(cfg, storage=store)
+
+
 def test_a_stale_hint_is_a_counted_miss_with_the_right_answer_and_no_exists() -> None:
     cfg = config(batch=4, policy="wait_complete")
     p = prompt(31, 42)                                   # 10 full pages, all usable
@@ -91,9 +98,7 @@ def test_a_read_that_finds_nothing_takes_no_host_slot() -> None:
 
 
 def test_a_next_turn_asks_no_exists_anywhere_and_offload_sends_only_what_l3_lacks() -> None:
-    cfg = config(batch=16, policy="wait_complete")
-    store = Wrapper(make_backend(cfg.storage, cfg.layout))
-    engine = LocalEngine(cfg, storage=store)
+    store, engine = recorded_engine()
     first = Req(rid="t1", input_ids=prompt(35, 42), max_new_tokens=9)
     engine.generate(first)
     assert engine.flush(10)
@@ -122,9 +127,7 @@ def test_a_next_turn_asks_no_exists_anywhere_and_offload_sends_only_what_l3_lack
 
 
 def test_decode_offload_starts_where_prefill_said_l3_ends_without_asking() -> None:
-    cfg = config(batch=16, policy="wait_complete")
-    store = Wrapper(make_backend(cfg.storage, cfg.layout))
-    engine = LocalEngine(cfg, storage=store)
+    store, engine = recorded_engine()
     r = Req(rid="r", input_ids=prompt(38, 42), max_new_tokens=9)
     out = engine.prefill(r)
     assert engine.flush(10)
