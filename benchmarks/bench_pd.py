@@ -19,7 +19,9 @@ client sending its next turn when its own answer is in; ``--lockstep``: round by
 whole answers (``LocalTarget(stream=False)``: ``PDCluster.generate_async``, as before the
 bench took this shape); every prompt starts with a 64-token preamble shared by all tenants.
 
-Writes benchmarks/results/pd.json (``throughput_ratio`` and ``ttft_p50_ratio`` are on/off).
+Writes benchmarks/results/pd.json (``throughput_ratio`` and ``ttft_p50_ratio`` are on/off;
+``storage_calls_per_request``: the L3 calls the shards answered during the cache-on run,
+as they count them, per request; ``index_queries_per_request``: 0 until a page index).
 """
 
 from __future__ import annotations
