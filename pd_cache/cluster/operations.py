@@ -3,6 +3,7 @@ the way down (``shutdown``, ``destroy``)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from pd_cache.cluster.keys import ClusterKeys
@@ -47,7 +48,8 @@ class ClusterOperations(ClusterKeys):
         if not self.storage:
             return None
         return StorageClient(self.storage, algo=self.pd.cache.hash_algo,
-                             timeout_s=timeout_s or self.config.storage_timeout_s)
+                             timeout_s=timeout_s or self.config.storage_timeout_s,
+                             segment_pages=self.pd.storage.segment_pages)
 
     def flush(self) -> None:
         """Wait until every worker's background L3 writes so far have finished."""
@@ -84,6 +86,25 @@ class ClusterOperations(ClusterKeys):
         for writes in ray.get([a.l3_writes.remote() for a in self.prefill + self.decode]):
             for kind, n in writes.items():
                 out[kind] += n
+        return out
+
+    def l3_holds(self, names: Sequence[bytes]) -> int:
+        """How many of a prompt's page ``names`` (its chain from the first page, as
+        ``router_names`` gives them), from the first, L3 holds (0 without L3)."""
+        from pd_cache.storage.base import ExtraInfo
+
+        client = self.storage_client()
+        return 0 if client is None else client.batch_exists(list(names),
+                                                            ExtraInfo(prefix_keys=[]))
+
+    def l3_calls(self) -> dict[str, int]:
+        """Calls the L3 shards answered so far, by op (exists, get, set), as they count."""
+        import ray
+
+        out: dict[str, int] = {}
+        for calls in ray.get([s.calls.remote() for s in self.storage]):
+            for op, n in calls.items():
+                out[op] = out.get(op, 0) + n
         return out
 
     def states(self) -> list[WorkerState]:

@@ -246,11 +246,13 @@ class PDCluster(DecodeRouting, ClusterOperations):
                                    algo=self.pd.cache.hash_algo)
 
     async def _prefill(self, req: Req, names: list[bytes], pinned: int | None,
-                       failed: Sequence[int] = (),
-                       reserved: Reserved = NOTHING) -> tuple[PrefillInfo, Any]:
+                       failed: Sequence[int] = (), reserved: Reserved = NOTHING,
+                       l3_pages: int | None = None) -> tuple[PrefillInfo, Any]:
         """Route and run prefill by ``names`` (the prompt's, ``router_names``); the router
         learns the pages the worker now holds. The KV handed over starts after the pages
-        ``reserved`` on decode; if prefill fails, that reservation is released."""
+        ``reserved`` on decode; if prefill fails, that reservation is released.
+        ``l3_pages``: the leading pages of ``names`` L3 holds, from a page index (the
+        worker reads them with no ``exists``; ``None``: no index)."""
         self.liveness["prefill"].refresh()
         info_ref = None
         try:
@@ -266,7 +268,8 @@ class PDCluster(DecodeRouting, ClusterOperations):
         # (two clients of a tenant arriving together share the system prompt's compute).
         self.prefill_router.record(worker, names)
         try:
-            info_ref, *handoff = self.prefill[worker].prefill.remote(req, reserved.kept_arg)
+            info_ref, *handoff = self.prefill[worker].prefill.remote(req, reserved.kept_arg,
+                                                                     l3_pages)
             info = await self._call("prefill", worker, info_ref)
         except BaseException as e:
             self._release(reserved, req.rid)   # decode will not see this request

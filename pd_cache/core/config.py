@@ -150,7 +150,8 @@ class StorageConfig:
     tails first to keep it and refusing (``refused/disk_full``) what would eat into it: a
     fraction of the filesystem's size below 1, else bytes. ``seal``: workers seal every
     record they write (``pd_cache.storage.seal``); ``False`` only for a benchmark's
-    unsealed baseline.
+    unsealed baseline. ``segment_pages``: a chain's pages live on the shards in runs of
+    this many (``pd_cache.storage.placement``).
     """
 
     enabled: bool = True
@@ -165,6 +166,7 @@ class StorageConfig:
     prefetch_timeout_per_1k_tokens_s: float = 0.05
     prefetch_timeout_max_s: float = 2.0
     prefix_keys: bool = True
+    segment_pages: int = 256
     metrics_interval_s: float = 5.0
     seal: bool = True
 
@@ -176,6 +178,7 @@ class StorageConfig:
         check_disk_reserve("storage.disk_reserve", self.disk_reserve)
         check_positive_int("storage.num_shards", self.num_shards)
         check_positive_int("storage.batch_pages", self.batch_pages)
+        check_positive_int("storage.segment_pages", self.segment_pages)
         one_of("storage.prefetch_policy", self.prefetch_policy, PREFETCH_POLICIES)
         for name in ("prefetch_timeout_base_s", "prefetch_timeout_per_1k_tokens_s",
                      "prefetch_timeout_max_s"):

@@ -34,6 +34,7 @@ class MissReason(str, Enum):
     CROSS_NAMESPACE = "cross_namespace"   # produced under another namespace seed: refused
     DISK_FULL = "disk_full"   # refused: storing it would eat the disk's free-space reserve
     KEY_RETIRED = "key_retired"   # sealed under a retired (or purged tenant's) key
+    STALE_INDEX = "stale_index"   # a page index said L3 held it; the shard no longer did
 
 
 class Event(str, Enum):
@@ -45,6 +46,17 @@ class Event(str, Enum):
     EVICTED = "evicted"
     REFUSED = "refused"
     VERIFICATION_FAILED = "verification_failed"
+
+
+class StorageOp(str, Enum):
+    """An L3 call a shard answers (``pd_cache_storage_calls_total{op}``)."""
+
+    EXISTS = "exists"
+    GET = "get"
+    SET = "set"
+
+
+STORAGE_OPS: tuple[str, ...] = tuple(o.value for o in StorageOp)
 
 
 class Outcome(str, Enum):

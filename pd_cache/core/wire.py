@@ -28,7 +28,9 @@ class PrefillInfo(msgspec.Struct, frozen=True, gc=False):
     model's prompt state travels beside the KV as one tensor: the state after each page of
     ``state_pages``, then the state after the prompt's last token. ``kept_pages``: the
     prompt's leading pages the decode worker holds (reserved in its prefix cache): the KV
-    handed over starts after them.
+    handed over starts after them. ``l3_pages``: the prompt's leading pages L3 holds once
+    prefill's write lands, as far as prefill knows (``None``: unknown; decode's offload
+    then asks).
     """
 
     rid: str
@@ -43,6 +45,7 @@ class PrefillInfo(msgspec.Struct, frozen=True, gc=False):
     compute_s: float
     state_pages: tuple[int, ...] = ()
     kept_pages: int = 0
+    l3_pages: int | None = None
 
     @property
     def cached_pages(self) -> int:

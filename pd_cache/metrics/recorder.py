@@ -110,18 +110,38 @@ class PDCacheMetrics:
         spec = METRIC_NAMES["pd_cache_storage_events_total"]
         check_label(spec, "backend", backend)
         parsed = [self._parse_stat(key, n) for key, n in snapshot.items()]
-        with self._lock:
-            last = self._last_stats.setdefault((backend, source), {})
-            deltas = [(event, reason, n - last.get(key, 0) if n >= last.get(key, 0) else n)
-                      for key, event, reason, n in parsed]
-            last.update({key: n for key, _, _, n in parsed})
-        for event, reason, delta in deltas:
+        deltas = self._since_last((backend, source), [(key, n) for key, _, _, n in parsed])
+        for (_, event, reason, _), delta in zip(parsed, deltas):
             self._record("pd_cache_storage_events_total", delta, backend=backend, event=event)
             if event == Event.MISS.value and reason:
                 self.count_miss(reason, delta)
             elif event == Event.REFUSED.value and reason:
                 self._record("pd_cache_storage_refusals_total", delta, backend=backend,
                              reason=reason)
+
+    def count_storage_calls(self, calls: Mapping[str, int], source: str = "") -> None:
+        """Add the calls one shard (``source``) answered since the previous call for it:
+        ``calls`` maps an op (exists, get, set) to the shard's running count; a lower
+        count is a restarted shard (a counter reset). Validates every entry first."""
+        spec = METRIC_NAMES["pd_cache_storage_calls_total"]
+        for op, n in calls.items():
+            check_label(spec, "op", op)
+            amount(spec, op, n)
+        deltas = self._since_last(("calls", source), list(calls.items()))
+        for op, delta in zip(calls, deltas):
+            if delta:
+                self._record("pd_cache_storage_calls_total", delta, op=op)
+
+    def _since_last(self, source: tuple[str, str],
+                    counts: list[tuple[str, int]]) -> list[int]:
+        """Per ``(key, running count)`` of ``source``, what it added since last time (all
+        of it after a reset: a count lower than last time)."""
+        with self._lock:
+            last = self._last_stats.setdefault(source, {})
+            deltas = [n - last.get(key, 0) if n >= last.get(key, 0) else n
+                      for key, n in counts]
+            last.update(counts)
+        return deltas
 
     @staticmethod
     def _parse_stat(key: str, n: Any) -> tuple[str, str, str, int]:

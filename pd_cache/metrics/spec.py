@@ -22,6 +22,7 @@ from pd_cache.core.vocab import (
     NAMESPACE_KINDS,
     PAGE_KINDS,
     ROLES,
+    STORAGE_OPS,
     TIERS,
     TOKEN_KINDS,
     Event,
@@ -41,6 +42,7 @@ VOCABULARIES: dict[str, tuple[str, ...]] = {
     "token_kind": TOKEN_KINDS,
     "page_kind": PAGE_KINDS,
     "outcome": OUTCOMES,
+    "op": STORAGE_OPS,
     "tenant": (),   # the key file's tenant names, per recorder (PDCacheMetrics(tenants=...))
 }
 
@@ -100,6 +102,9 @@ METRICS: tuple[MetricSpec, ...] = (
        "L3 pages that could not be used, by reason."),
     _c("pd_cache_storage_events_total", ("backend", "event"),
        "L3 page events (hit, miss, stored, evicted, refused, verification_failed)."),
+    _c("pd_cache_storage_calls_total", ("op",),
+       "L3 calls the shards answered, by operation (exists, get, set): one per shard a "
+       "batch reaches."),
     _c("pd_cache_storage_refusals_total", ("backend", "reason"),
        "L3 pages a shard refused to store or serve, by reason (disk_full: the disk's "
        "free-space reserve)."),

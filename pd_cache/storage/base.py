@@ -32,11 +32,11 @@ class ExtraInfo(msgspec.Struct, frozen=True, gc=False):
 
     ``prefix_keys`` has three states: ``None`` (feature off, no chain check), ``[]`` (on;
     the chain starts at the namespace seed, so the first key's prior must be
-    ``namespace_seed`` when that is given) and non-empty (the names of the pages before
-    ``keys``; the first key's prior must be ``prefix_keys[-1]``). With the feature on,
-    each key's prior must be the key before it. It is per operation: in a v2 call the
-    operation's keys are its longest key list (the KV pool's), a sidecar pool may cover
-    only a trailing run of them and its priors are the operation's at those positions.
+    ``namespace_seed`` when that is given) and non-empty (the names of all the pages before
+    ``keys``, which place them: ``storage.placement``; the first key's prior must be
+    ``prefix_keys[-1]``). With the feature on, each key's prior must be the key before it.
+    It is per operation: in a v2 call the operation's keys are its longest key list (the
+    KV pool's); a sidecar pool may cover only a trailing run, with the priors there.
     Accumulate it per batch as ``prefix_keys = prefix_keys + batch``: never mutate a list
     already handed over. ``request_id`` only labels log lines. ``tenant`` names whose
     key seals the pages (``pd_cache.storage.seal``, which drops it before a store sees it).

@@ -1,16 +1,15 @@
 """``StorageClient``: the backend interface over N ``StorageTier`` actors.
 
-Each page name goes to one shard by rendezvous hashing (the shard with the highest
-``xxh3_64(name, seed=shard)``), so adding a shard moves only the names it wins. A batch is
-split per shard, sent to all of them at once and merged back in key order::
+A chain's pages go to the shards in segments of consecutive pages, each segment to one
+shard by rendezvous hashing of its first page's name (``pd_cache.storage.placement``); a
+batch without a chain (no ``ExtraInfo.prefix_keys``) goes page by page. A batch is split
+per shard, sent to all of them at once and merged back in key order::
 
     keys      k0  k1  k2  k3  k4          exists: shard 0 has 1 of [k0 k2 k4] -> stops at k2
     shard     0   1   0   1   0                   shard 1 has 2 of [k1 k3]    -> no stop
     prefix = min over shards of the position where that shard's hits stop = 2
 
-Expected priors are computed here, over the whole batch, and sent with each shard's
-keys, so the chain check holds although no shard sees consecutive keys.
-
+Expected priors are computed here, over the whole batch, and sent with each shard's keys.
 A ``memory`` shard answers a get with refs to blocks of records (``storage.shared``),
 mapped here in one call and verified before use (``storage.reader``); a record that fails
 is a miss and the shard is told to discard it. The misses only a reader sees (a shard that
@@ -25,8 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-import xxhash
-
+from pd_cache.core.config import StorageConfig
 from pd_cache.core.stats import Stats
 from pd_cache.core.vocab import Event, MissReason
 from pd_cache.metrics import PDCacheMetrics, resolve_exporter
@@ -40,6 +38,7 @@ from pd_cache.storage.base import (
     Usage,
 )
 from pd_cache.storage.batch import Batch, check_batch, normalize_keys, usable_hits
+from pd_cache.storage.placement import chain_shards, rendezvous
 from pd_cache.storage.reader import Checksummer, Received, receive, remaining
 from pd_cache.storage.record import CHECKPOINT_POOLS
 
@@ -56,13 +55,6 @@ Plan = dict[int, list[tuple[int, list[int]]]]  # shard -> [(transfer index, key 
 Resolve = Callable[[int, Any, float | None], tuple[Any, ShardFault | None]]
 
 
-def rendezvous(name: bytes, num_shards: int) -> int:
-    """The shard that owns page ``name``: highest random weight, stable across processes."""
-    if num_shards == 1:
-        return 0
-    return max(range(num_shards), key=lambda s: xxhash.xxh3_64_intdigest(name, seed=s))
-
-
 class StorageClient(SubmittedBackend):
     """Spreads pages over tier actors; sync calls wait at most ``timeout_s`` seconds.
 
@@ -75,6 +67,7 @@ class StorageClient(SubmittedBackend):
     received payloads are read-only views of shared memory. ``metrics`` receives the
     misses counted here (default: Ray's, inside a Ray worker). ``verify_threads``: threads
     that checksum a large answer side by side (default: this process's cores, at most 4).
+    ``segment_pages``: the placement's segment (every client of the shards must agree).
     """
 
     # NOTE: every record a shard answers with, lent or sent by value, is verified here
@@ -84,13 +77,14 @@ class StorageClient(SubmittedBackend):
     def __init__(self, handles: Sequence[Any], *, algo: str = "xxh3_128",
                  timeout_s: float | None = 30.0, layout: KVLayout | None = None,
                  metrics: PDCacheMetrics | None = None,
-                 verify_threads: int | None = None) -> None:
+                 verify_threads: int | None = None,
+                 segment_pages: int = StorageConfig.segment_pages) -> None:
         if not handles:
             raise ValueError("handles: expected at least one StorageTier actor")
         if timeout_s is not None and not timeout_s > 0:
             raise ValueError(f"timeout_s: expected a number > 0 or None, got {timeout_s!r}")
         self.handles, self.algo, self.timeout_s = list(handles), algo, timeout_s
-        self.layout = layout
+        self.layout, self.segment_pages = layout, segment_pages
         self._stats = Stats()
         if metrics is None and resolve_exporter("auto") == "ray":
             metrics = PDCacheMetrics("ray")
@@ -105,7 +99,8 @@ class StorageClient(SubmittedBackend):
         from pd_cache.storage.tier import storage_actors
 
         return cls(storage_actors(config, name, detached=detached, **options),
-                   algo=config.cache.hash_algo, timeout_s=timeout_s, layout=config.layout)
+                   algo=config.cache.hash_algo, timeout_s=timeout_s, layout=config.layout,
+                   segment_pages=config.storage.segment_pages)
 
 
     # -- async ------------------------------------------------------------------------------
@@ -114,7 +109,7 @@ class StorageClient(SubmittedBackend):
         batches = check_batch(transfers, extra_info, self.algo, with_pages=False)
         if not batches:
             raise ValueError("transfers: name at least one pool")
-        plan = self._plan(batches)
+        plan = self._plan(batches, extra_info)
         refs = {s: self.handles[s].batch_exists_v2.remote(_share(batches, parts), extra_info)
                 for s, parts in plan.items()}
         return _FanOut(refs, lambda answers: _merge_exists(batches, plan, answers),
@@ -123,7 +118,7 @@ class StorageClient(SubmittedBackend):
     def submit_get_v2(self, transfers: Sequence[PoolTransfer],
                       extra_info: ExtraInfo | None = None) -> Pending[list[PoolTransfer]]:
         batches = check_batch(transfers, extra_info, self.algo, with_pages=False)
-        plan = self._plan(batches)
+        plan = self._plan(batches, extra_info)
         refs = {s: self.handles[s].batch_get_shared_v2.remote(_share(batches, parts),
                                                                extra_info)
                 for s, parts in plan.items()}
@@ -136,16 +131,18 @@ class StorageClient(SubmittedBackend):
                       extra_info: ExtraInfo | None = None) -> Pending[list[list[bool]]]:
         # NOTE: every shard's share is checked before any is sent: bad input stores nothing.
         batches = check_batch(transfers, extra_info, self.algo, with_pages=True)
-        plan = self._plan(batches)
+        plan = self._plan(batches, extra_info)
         refs = {s: self.handles[s].batch_set_v2.remote(_share(batches, parts), extra_info)
                 for s, parts in plan.items()}
         merge = _merger(batches, plan, False, lambda b, acks: acks)
         return _FanOut(refs, merge, self._fault_counter(plan, Event.REFUSED), self.timeout_s)
 
     def discard_v2(self, pool: str, keys: Sequence[bytes | str]) -> int:
-        """Ask each shard to delete its share of ``keys`` (not waited for: returns 0)."""
-        for key in normalize_keys(keys, self.algo):   # rare: one call per key
-            self.handles[self.shard_of(key)].discard_v2.remote(pool, [key])
+        """Ask every shard to delete ``keys`` (not waited for: returns 0). Rare, and a
+        key alone does not say where its chain's segment lives."""
+        keys = normalize_keys(keys, self.algo)
+        for handle in self.handles:
+            handle.discard_v2.remote(pool, keys)
         return 0
 
     def reclaim(self, owners: Sequence[bytes] = (), below: int = 0) -> int:
@@ -173,14 +170,26 @@ class StorageClient(SubmittedBackend):
 
     # -- routing ----------------------------------------------------------------------------
     def shard_of(self, key: bytes) -> int:
+        """The shard of a page written without a chain (no ``prefix_keys``)."""
         return rendezvous(key, len(self.handles))
 
-    def _plan(self, batches: list[Batch]) -> Plan:
+    def shards_of(self, keys: Sequence[bytes], prefix: Sequence[bytes] | None) -> list[int]:
+        """The shard of each page of a chain's run ``keys`` after ``prefix`` (its names
+        before them; ``None``: no chain, page by page)."""
+        return chain_shards(keys, prefix, len(self.handles), self.segment_pages)
+
+    def _plan(self, batches: list[Batch], info: ExtraInfo | None) -> Plan:
+        """Which keys each shard gets; a sidecar pool's keys go where their pages' KV goes."""
+        prefix = None if info is None or info.prefix_keys is None else \
+            normalize_keys(info.prefix_keys, self.algo, "extra_info.prefix_keys")
+        op = max(batches, key=lambda b: len(b.keys), default=None)
+        shards = [] if op is None else self.shards_of(op.keys, prefix)
         plan: Plan = {}
         for j, b in enumerate(batches):
             positions: dict[int, list[int]] = {}
             for i, key in enumerate(b.keys):
-                positions.setdefault(self.shard_of(key), []).append(i)
+                s = shards[b.start + i] if prefix is not None else self.shard_of(key)
+                positions.setdefault(s, []).append(i)
             for s, pos in positions.items():
                 plan.setdefault(s, []).append((j, pos))
         return plan

@@ -5,7 +5,7 @@ the shard's backend (``Stats``); a daemon thread hands each new snapshot to
 ``PDCacheMetrics.count_storage_stats`` every ``interval_s``. Run inside the storage actor,
 the counts reach the node's metrics port in every deployment (``pd-cache run``, a
 ``PDCluster`` in a user's driver, the Serve app); a restarted shard reads as a counter
-reset, as Prometheus treats one.
+reset, as Prometheus treats one. The calls the shard answered (by op) go out the same way.
 """
 
 from __future__ import annotations
@@ -25,11 +25,12 @@ class StatsExporter:
 
     def __init__(self, snapshot: Callable[[], dict[str, int]], backend: str, source: str,
                  interval_s: float, metrics: PDCacheMetrics | None = None,
-                 usage: Callable[[], Usage] | None = None) -> None:
+                 usage: Callable[[], Usage] | None = None,
+                 calls: Callable[[], dict[str, int]] | None = None) -> None:
         if not interval_s > 0:
             raise ValueError(f"interval_s: expected a number > 0, got {interval_s!r}")
         self.snapshot, self.backend, self.source = snapshot, backend, source
-        self.usage = usage
+        self.usage, self.calls = usage, calls
         self.interval_s = interval_s
         self.metrics = metrics if metrics is not None else PDCacheMetrics("auto")
         self._stop = threading.Event()
@@ -40,6 +41,8 @@ class StatsExporter:
         """Add what the shard counted since the last export; set its bytes held."""
         self.metrics.count_storage_stats(self.snapshot(), backend=self.backend,
                                          source=self.source)
+        if self.calls is not None:
+            self.metrics.count_storage_calls(self.calls(), source=self.source)
         if self.usage is not None:
             now = self.usage()
             self.metrics.set_storage_usage(now.bytes, now.capacity_bytes, self.backend)

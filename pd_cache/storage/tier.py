@@ -19,6 +19,8 @@ from typing import Any, NamedTuple
 
 from pd_cache.core.config import PDCacheConfig
 from pd_cache.core.request import Req, compute_prefix_hash
+from pd_cache.core.stats import Stats
+from pd_cache.core.vocab import STORAGE_OPS, StorageOp
 from pd_cache.storage import make_backend
 from pd_cache.storage.base import ExtraInfo, PoolHits, PoolTransfer, StorageBackend, Usage
 from pd_cache.storage.exporter import StatsExporter
@@ -46,23 +48,31 @@ class StorageTier:
                              f"got {shard!r}")
         self.shard = shard
         self.backend = tier_backend(config, shard)
+        self._calls = Stats()
         self.exporter: StatsExporter | None = None
         if _in_ray() if export_stats is None else export_stats:
             self.exporter = StatsExporter(self.backend.stats, config.storage.backend,
                                           f"shard{shard}", config.storage.metrics_interval_s,
-                                          usage=self.backend.usage).start()
+                                          usage=self.backend.usage, calls=self.calls).start()
+
+    def calls(self) -> dict[str, int]:
+        """The calls this shard answered since it started, by op (exists, get, set)."""
+        return {op: self._calls.get(op) for op in STORAGE_OPS}
 
     def batch_exists_v2(self, transfers: Sequence[PoolTransfer],
                         extra_info: ExtraInfo | None = None) -> PoolHits:
+        self._calls.count(StorageOp.EXISTS)
         return self.backend.batch_exists_v2(transfers, extra_info)
 
     def batch_get_v2(self, transfers: Sequence[PoolTransfer],
                      extra_info: ExtraInfo | None = None) -> list[PoolTransfer]:
+        self._calls.count(StorageOp.GET)
         return self.backend.batch_get_v2(transfers, extra_info)
 
     def batch_get_shared_v2(self, transfers: Sequence[PoolTransfer],
                             extra_info: ExtraInfo | None = None) -> list[SharedPages]:
         """``batch_get_v2`` for the client: lent refs if the backend lends, else records."""
+        self._calls.count(StorageOp.GET)
         if isinstance(self.backend, SharedMemoryBackend):
             return self.backend.batch_lend_v2(transfers, extra_info)
         return [SharedPages(t.pool, list(t.pages or []), layout=self.backend.layout)
@@ -79,6 +89,7 @@ class StorageTier:
 
     def batch_set_v2(self, transfers: Sequence[PoolTransfer],
                      extra_info: ExtraInfo | None = None) -> list[list[bool]]:
+        self._calls.count(StorageOp.SET)
         return self.backend.batch_set_v2(transfers, extra_info)
 
     def drop_all(self) -> int:

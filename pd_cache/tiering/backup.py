@@ -129,6 +129,7 @@ class BackupWriter:
             acks = []
         stored = next((i for i, ok in enumerate(acks) if not ok), len(acks))
         if stored:
+            link.held.add(batch[:stored])
             self.stats.count(kind, PAGE, stored)
             for page, n in Counter((kinds or [])[lo:lo + stored]).items():
                 self.stats.count(kind, page, n)

@@ -35,11 +35,14 @@ from pd_cache.tiering.prefetch import Alloc, Prefetcher
 class StoredPages(NamedTuple):
     """What L3 supplied: ``pages`` for the leading names, and the pages it offered that
     another namespace had produced (refused). For a hybrid model ``pages`` end at a page
-    with a state, and ``states[i]`` is the state after page ``i`` (the last one at least)."""
+    with a state, and ``states[i]`` is the state after page ``i`` (the last one at least).
+    ``stale``: a page the page index said L3 held was not there (its count is not to be
+    trusted for writes)."""
 
     pages: torch.Tensor
     cross_namespace: int = 0
     states: dict[int, torch.Tensor] | None = None
+    stale: bool = False
 
 
 class CacheController:
@@ -66,16 +69,20 @@ class CacheController:
         self.reader = Prefetcher(self.link, host_pool, alloc)
         self.writer = BackupWriter(self.link)
 
-    def fetch(self, req: Req, names: Sequence[bytes], prefix: Sequence[bytes]) -> StoredPages:
+    def fetch(self, req: Req, names: Sequence[bytes], prefix: Sequence[bytes],
+              l3_pages: int | None = None) -> StoredPages:
         """KV of the leading pages of ``names`` (after ``prefix``, the local hit's names)
         that L3 holds and a request can resume from: ``[k, *page_shape]`` for the first
         ``k`` of them (a hybrid prefix ends at its last page with a state; none: ``k = 0``).
-        The host slots they landed in are free again when this returns."""
-        fetched = self.reader.prefetch(req, names, prefix)
+        ``l3_pages``: a page index's count of the chain's leading pages L3 holds (only
+        those are read; ``None``: no index, see ``Prefetcher.prefetch``). The host slots
+        they landed in are free again when this returns."""
+        fetched = self.reader.prefetch(req, names, prefix, l3_pages=l3_pages)
         try:
             n = fetched.resume_pages
             return StoredPages(fetched.read()[:n], fetched.cross_namespace,
-                               {i: s for i, s in fetched.states.items() if i < n})
+                               {i: s for i, s in fetched.states.items() if i < n},
+                               fetched.stale)
         finally:
             fetched.release()
 
@@ -91,6 +98,17 @@ class CacheController:
                            key.tokens[num_cached * ps:key.num_pages * ps],
                            pages[num_cached:key.num_pages], key.names[:num_cached],
                            states={i - num_cached: s for i, s in states.items()})
+
+    def held_after(self, names: Sequence[bytes], local: int, l3_pages: int | None,
+                   stale: bool = False) -> int:
+        """How many of a prompt's page ``names`` L3 holds once its prefill's write lands:
+        all of them if it holds the first ``local`` (the local hit's), as ``l3_pages`` (a
+        page index's count, unless the read found it ``stale``) or this worker's memory
+        says, since the prefill read the rest from L3 or writes it; else those known."""
+        known = self.link.held.prefix(names[:local])
+        if l3_pages is not None and not stale:
+            known = max(known, min(l3_pages, local))
+        return len(names) if known >= local else known
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for every write issued so far (``True``: all done)."""

@@ -8,12 +8,19 @@ record (``observe``: pages, bytes and seconds of one request's transfer, by outc
 ``ExtraInfo.prefix_keys`` is ``None`` when ``storage.prefix_keys`` is off, else the names
 before the batch, rebuilt per batch as ``prefix = prefix + batch``: a list already handed
 to a backend is never mutated.
+
+``held`` remembers the names this worker stored in L3 or read from it (the most recent
+``HeldNames.capacity``), so with no page index a prefill can still tell decode which of
+its prompt's pages L3 holds, and decode's offload need not ask.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections import OrderedDict
+from collections.abc import Sequence
 
 from pd_cache.core.config import KVLayout, StorageConfig
 from pd_cache.core.request import Req
@@ -24,6 +31,29 @@ from pd_cache.storage.base import ExtraInfo, StorageBackend
 from pd_cache.tiering.chain import Chain, batches
 
 log = logging.getLogger("pd_cache.tiering")
+
+
+class HeldNames:
+    """The last ``capacity`` page names this worker saw L3 hold (acknowledged or read);
+    thread-safe. A hint: L3 may have evicted one since (a gap costs a recompute)."""
+
+    def __init__(self, capacity: int = 1 << 16) -> None:
+        self.capacity = capacity
+        self._names: OrderedDict[bytes, None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def add(self, names: Sequence[bytes]) -> None:
+        with self._lock:
+            for name in names:
+                self._names[name] = None
+                self._names.move_to_end(name)
+            while len(self._names) > self.capacity:
+                self._names.popitem(last=False)
+
+    def prefix(self, names: Sequence[bytes]) -> int:
+        """How many of ``names``, from the first, are held."""
+        with self._lock:
+            return next((i for i, n in enumerate(names) if n not in self._names), len(names))
 
 
 class StorageLink:
@@ -49,6 +79,7 @@ class StorageLink:
         self.metrics = metrics
         self.has_state, self.state_every = layout.has_state, state_every
         self.page_nbytes = layout.page_nbytes
+        self.held = HeldNames()
 
     def info(self, req: Req, chain: Chain, prefix: list[bytes] | None) -> ExtraInfo:
         return ExtraInfo(prefix_keys=prefix, namespace_seed=chain.seed, request_id=req.rid,

@@ -4,9 +4,10 @@ Each time ``stride`` new tokens (8 pages by default) have filled whole pages, an
 request ends, decode backs those pages up. Their names continue the prompt's chain from the
 last name written, so they equal the names a prefill of ``prompt + output`` computes, and
 the next turn of a conversation finds them. The first write also carries the prompt's full
-pages that L3 lacks (one query, then one write of everything missing from there on): by
-then prefill's own write-through of them has usually landed, so they are seldom sent twice,
-and a request's writes are one call per shard instead of one per page::
+pages that L3 lacks: past the ``l3_pages`` prefill said L3 holds once its own write lands
+(from a page index or what that worker stored or read), with no question asked; when
+prefill could not say, one query and then everything missing from there on. A request's
+writes are one call per shard instead of one per page::
 
     prompt  |p0|p1|p2|p3 ..|          names h1 h2 h3 (p3 partial: no name yet)
     decode  |p0|p1|p2|p3 +out|o1 ..|  h4 = H(h3 || tokens of page 4), h5 = H(h4 || ..)
@@ -39,13 +40,16 @@ DEFAULT_STRIDE_PAGES = 8
 @dataclass
 class OffloadState:
     """One request's progress: the chain names covered so far (the prompt's full pages,
-    then the generated pages written), and whether the prompt's pages still wait for the
-    request's first write (with their recurrent states, by page index, for a hybrid model)."""
+    then the generated pages written), and whether the prompt's pages from ``prompt_start``
+    on still wait for the request's first write (with their recurrent states, by page
+    index, for a hybrid model); ``ask``: that write first asks L3 where its copy ends."""
 
     req: Req
     names: list[bytes] = field(default_factory=list)
     prompt_pending: bool = False
     prompt_states: Mapping[int, torch.Tensor] | None = None
+    prompt_start: int = 0
+    ask: bool = True
 
     @property
     def num_pages(self) -> int:
@@ -75,10 +79,13 @@ class DecodeOffloadManager:
         self.stride = stride
 
     def offload_kv_cache(self, req: Req, names: Sequence[bytes] | None = None,
-                         states: Mapping[int, torch.Tensor] | None = None) -> OffloadState:
+                         states: Mapping[int, torch.Tensor] | None = None, *,
+                         l3_pages: int | None = None) -> OffloadState:
         """Decode starts from the prompt's full pages, ``names`` (as prefill named them;
         ``None``: named here); the request's first write (at the latest
-        ``advance(final=True)``) sends those L3 lacks, read from decode's own KV.
+        ``advance(final=True)``) sends those L3 lacks, read from decode's own KV: those
+        past ``l3_pages`` (the leading ones L3 holds, as prefill said), or, when that is
+        ``None``, past where L3's copy ends, asked then.
 
         ``states`` (hybrid): the recurrent state after some of the prompt's pages, by page
         index (kept until that write copies them). Raises ``ValueError`` if ``names`` are
@@ -91,8 +98,9 @@ class DecodeOffloadManager:
         elif len(names) != full:
             raise ValueError(f"names: {len(names)} page names for a prompt of {full} full "
                              f"pages (request {req.rid!r})")
-        return OffloadState(req, list(names), prompt_pending=bool(names),
-                            prompt_states=states)
+        start = 0 if l3_pages is None else min(max(l3_pages, 0), full)
+        return OffloadState(req, list(names), prompt_pending=start < len(names),
+                            prompt_states=states, prompt_start=start, ask=l3_pages is None)
 
     def advance(self, state: OffloadState, tokens: list[int], kv: torch.Tensor,
                 num_computed: int, *, final: bool = False,
@@ -101,8 +109,8 @@ class DecodeOffloadManager:
         ``num_computed`` of ``tokens`` (``prompt + output`` so far): once ``stride`` tokens
         wait past the pages already written (or ``final``), write the full pages among
         them, with the states of ``page_states`` (by page index; hybrid) at their
-        checkpoints. The first write starts at the prompt's first page and skips what L3
-        holds. Returns the number of generated pages sent."""
+        checkpoints. The first write starts at the prompt's first page L3 lacks. Returns
+        the number of generated pages sent."""
         ps, done = self.page_size, state.num_pages
         full = num_computed // ps
         waiting = num_computed - done * ps
@@ -112,17 +120,18 @@ class DecodeOffloadManager:
         new = compute_prefix_hash(state.req, tokens[done * ps:full * ps], state.last_name,
                                   page_size=ps, algo=self.controller.algo) \
             if full > done else []
-        start = 0 if state.prompt_pending else done
+        start = state.prompt_start if state.prompt_pending else done
         states = {i - start: page_states[i]
                   for i in checkpoints(done, full - 1, self.controller.state_every)
                   if page_states and i in page_states}
         if state.prompt_pending:
-            states.update((i, s) for i, s in (state.prompt_states or {}).items() if i < done)
+            states.update((i - start, s) for i, s in (state.prompt_states or {}).items()
+                          if start <= i < done)
         # NOTE: kv_to_pages makes the pages for this call alone: no snapshot needed.
         self.controller.writer.backup(
             state.req, state.names[start:] + new, tokens[start * ps:max(full, done) * ps],
             kv_to_pages(kv[:, :, start * ps:max(full, done) * ps], ps), state.names[:start],
-            skip_stored=state.prompt_pending, kind=OFFLOAD,
+            skip_stored=state.prompt_pending and state.ask, kind=OFFLOAD,
             page_kinds=[PROMPT] * (done - start) + [GENERATED] * len(new), copy=False,
             states=states)
         state.names = state.names + new

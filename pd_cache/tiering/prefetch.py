@@ -1,12 +1,15 @@
 """The read path: L3 -> host slots, verified, batch by batch.
 
-    query     the chain's names past the local hit  -> batch_exists, per batch
-    prefetch  the hit pages -> host slots: submit every get, then land each batch in
-              order (wait by policy, verify, copy), one ack per batch issued
+    prefetch  the chain's names past the local hit (below ``l3_pages`` when a page index
+              gave it) -> submit every get, then verify each batch in order (wait by
+              policy), one ack per batch issued -> host slots for the pages that came
 
-A page that does not arrive in time, does not verify, or is missing ends the prefetch
-there: the pages after it are recomputed. Slots for pages that did not land are freed
-here, exactly once.
+No ``exists`` before the read: the get is the lookup, and a page it does not return is a
+miss (``not_stored``, or ``stale_index`` when an index said L3 held it). A page that does
+not arrive in time, does not verify, or is missing ends the prefetch there: the pages
+after it are recomputed. Host slots are taken only for the verified pages, so a miss
+evicts nothing from L2. A hybrid model without an index still asks ``exists`` first (its
+resume point is the hit's last page, whose state the read must ask for).
 
 A hybrid model's batches end at the pages where a recurrent state may be kept (every
 ``state_every`` pages, and the last page of the hit); each such batch is one
@@ -48,13 +51,14 @@ class Prefetched:
 
     ``cross_namespace`` counts records refused because another namespace produced them.
     ``states`` (hybrid models): the verified recurrent state after page ``i`` of the
-    landed pages, for each ``i`` where one was found.
+    landed pages, for each ``i`` where one was found. ``stale``: a page a page index said L3
+    held was not there.
     """
 
     def __init__(self, pool: PagePool, slots: list[int], owner: str,
                  cross_namespace: int = 0, states: dict[int, torch.Tensor] | None = None,
-                 has_state: bool = False) -> None:
-        self.pool, self.slots, self.owner = pool, slots, owner
+                 has_state: bool = False, stale: bool = False) -> None:
+        self.pool, self.slots, self.owner, self.stale = pool, slots, owner, stale
         self.cross_namespace = cross_namespace
         self.states, self.has_state = states or {}, has_state
 
@@ -92,32 +96,55 @@ class Prefetcher:
         self._alloc = alloc if alloc is not None else self._alloc_free
 
     def prefetch(self, req: Req, names: Sequence[bytes], prefix: Sequence[bytes] = (),
-                 policy: str | None = None) -> Prefetched:
+                 policy: str | None = None, l3_pages: int | None = None) -> Prefetched:
         """Load the leading pages of ``names`` (after ``prefix``) that L3 holds.
 
         ``names`` are the prompt's page names right after its local hit, ``prefix`` the
-        names before them, both in ``req``'s namespace as the caller computed them.
+        names before them, both in ``req``'s namespace as the caller computed them. No
+        ``exists`` is asked: the get is the lookup. ``l3_pages`` (a page index's answer:
+        how many leading pages of the request's chain L3 holds) reads only the pages below
+        it, and one the shard no longer holds is a ``stale_index`` miss; ``None`` reads
+        every page of ``names`` the host pool could hold. Host slots are taken only for
+        the pages that arrived and verified, so a miss evicts nothing from L2.
         Returns the pages that landed, verified, in order; the caller reads them and calls
         ``release``.
         """
         owner, started = f"prefetch:{req.rid}", time.perf_counter()
         chain = Chain.of(req, names, prefix, algo=self.link.algo)
-        hits = self.link.query(req, chain) if chain.names else 0
-        slots = self._alloc(hits, owner) if hits else []
+        asked = self._asked(req, chain, l3_pages)
+        good: list[torch.Tensor] = []
         refused: list[bytes] = []
         states: dict[int, torch.Tensor] = {}
+        reason: MissReason | None = None
         try:
-            landed = self._load(req, chain._replace(names=chain.names[:len(slots)]), slots,
-                                policy or self.config.prefetch_policy, refused, states)
+            if asked:
+                reason = self._load(req, chain._replace(names=chain.names[:asked]),
+                                    policy or self.config.prefetch_policy, refused, states,
+                                    good, stale=l3_pages is not None)
         except Exception as e:  # noqa: BLE001 - a malformed answer is a miss, never a failure
-            self.link.fault(req, "prefetch", MissReason.STORAGE_ERROR, e, len(slots))
-            landed = 0
-        self.host.free(slots[landed:], owner)
-        if landed:
-            self.stats.count(Event.HIT, Tier.STORAGE, landed)
-        self.link.observe("prefetch", landed, hits, started)
-        return Prefetched(self.host, slots[:landed], owner, len(refused), states,
-                          self.link.has_state)
+            self.link.fault(req, "prefetch", MissReason.STORAGE_ERROR, e, asked)
+            good, reason = [], MissReason.STORAGE_ERROR
+        if len(chain.names) > asked:
+            self.stats.count(Event.MISS, MissReason.NOT_STORED, len(chain.names) - asked)
+        slots = self._alloc(len(good), owner) if good else []
+        if slots:
+            self.host.write(slots, torch.stack(good[:len(slots)]))
+            self.stats.count(Event.HIT, Tier.STORAGE, len(slots))
+        # NOTE: a page L3 does not hold is a lookup's answer, not a failed transfer.
+        wanted = len(good) if reason in (None, MissReason.NOT_STORED) else asked
+        self.link.observe("prefetch", len(slots), wanted, started)
+        return Prefetched(self.host, slots, owner, len(refused), states, self.link.has_state,
+                          reason is MissReason.STALE_INDEX)
+
+    def _asked(self, req: Req, chain: Chain, l3_pages: int | None) -> int:
+        """How many of ``chain.names`` to read: those below ``l3_pages``, else as many as
+        the host pool holds; a hybrid model with no ``l3_pages`` asks L3 first, as its
+        resume point needs the state of the hit's last page, which only the hit names."""
+        if l3_pages is not None:
+            return max(0, min(len(chain.names), l3_pages - len(chain.prefix)))
+        if self.link.has_state and chain.names:
+            return self.link.query(req, chain, count=False)
+        return min(len(chain.names), self.host.capacity)
 
     def deadline(self, policy: str, num_tokens: int) -> float | None:
         """When the policy stops waiting (``time.monotonic()`` scale); ``None``: no wait."""
@@ -129,11 +156,14 @@ class Prefetcher:
         bound = c.prefetch_timeout_base_s + c.prefetch_timeout_per_1k_tokens_s * num_tokens / 1e3
         return time.monotonic() + min(bound, c.prefetch_timeout_max_s)
 
-    def _load(self, req: Req, chain: Chain, slots: list[int], policy: str,
-              refused: list[bytes], states: dict[int, torch.Tensor]) -> int:
-        """Submit every batch, then land them in order; one ack per batch issued.
-        Names of records another namespace produced are added to ``refused``, verified
-        states to ``states``."""
+    def _load(self, req: Req, chain: Chain, policy: str, refused: list[bytes],
+              states: dict[int, torch.Tensor], good: list[torch.Tensor], *,
+              stale: bool) -> MissReason | None:
+        """Submit every batch, then verify them in order into ``good`` (the KV of the
+        leading pages that verified); one ack per batch issued. Names of records another
+        namespace produced are added to ``refused``, verified states to ``states``.
+        Returns why the pages stopped (``None``: all of them came); the asked pages that
+        did not come are counted under it (``stale``: a missing one is ``stale_index``)."""
         asks = self._state_pages(chain)
         batches = runs(len(chain.names), self.config.batch_pages, asks)
         prefix, issued = self.link.start_prefix(chain), []
@@ -144,14 +174,15 @@ class Prefetcher:
             self.stats.count(PREFETCH_BATCH)
             prefix = None if prefix is None else prefix + batch
         deadline = self.deadline(policy, len(chain.names) * self.link.page_size)
-        landed, going = 0, True
+        reason = None
         for run, pending in zip(batches, issued):
-            got = (self._land(req, chain, run, pending, slots, deadline, refused, states)
-                   if going else 0)
-            self.stats.count(PREFETCH_ACK, "ok" if got == len(run) else "short")
-            landed += got
-            going = going and got == len(run)
-        return landed
+            if reason is None:
+                reason = self._land(req, chain, run, pending, deadline, refused, states, good,
+                                    stale)
+                if reason is not None and len(chain.names) > run.stop:
+                    self.stats.count(Event.MISS, reason, len(chain.names) - run.stop)
+            self.stats.count(PREFETCH_ACK, "short" if reason is not None else "ok")
+        return reason
 
     def _state_pages(self, chain: Chain) -> set[int]:
         """Indexes of ``chain.names`` whose state the read path asks for (hybrid only)."""
@@ -174,16 +205,16 @@ class Prefetcher:
             return e
 
     def _land(self, req: Req, chain: Chain, run: range, pending: Pending[Answer] | Exception,
-              slots: list[int], deadline: float | None, refused: list[bytes],
-              states: dict[int, torch.Tensor]) -> int:
-        """Verify one batch's records and copy the leading good ones to their slots; keep
-        the batch's state if it asked for one and every page of the batch landed."""
+              deadline: float | None, refused: list[bytes], states: dict[int, torch.Tensor],
+              good: list[torch.Tensor], stale: bool) -> MissReason | None:
+        """Verify one batch's records and add the leading good ones to ``good``; keep the
+        batch's state if it asked for one and every page of the batch verified. Returns
+        why the batch fell short (its missing pages counted), ``None`` if it did not."""
         start, batch = run.start, chain.names[run.start:run.stop]
         answer = self._wait(req, pending, deadline, len(batch))
-        if answer is None:
-            return 0
+        if isinstance(answer, MissReason):
+            return answer
         records = _padded(answer.get(KV_POOL), len(batch))   # short: misses
-        good: list[torch.Tensor] = []
         for i, (name, record) in enumerate(zip(batch, records)):
             reason = self._check(req, record, name, chain.prior(start + i), chain.seed,
                                  self._page_tokens(req, chain, start + i), KV_POOL)
@@ -191,16 +222,15 @@ class Prefetcher:
                 refused.extend(batch[i:])   # counted like every miss: the pages it costs
             if reason is not None:
                 if record is None and isinstance(pending, Pending):
-                    reason = _missing_reason(pending)
+                    reason = _missing_reason(pending, stale)
                 self.stats.count(Event.MISS, reason, len(batch) - i)
-                break
+                return reason
             good.append(record.payload(KV_POOL))
-        if good:
-            self.host.write(slots[start:start + len(good)], torch.stack(good))
-        if STATE_POOL in answer and len(good) == len(batch):
+        self.link.held.add(batch)
+        if STATE_POOL in answer:
             self._keep_state(req, chain, run.stop - 1, _padded(answer[STATE_POOL], 1)[0],
                              states)
-        return len(good)
+        return None
 
     def _keep_state(self, req: Req, chain: Chain, i: int, record: PageRecord | None,
                     states: dict[int, torch.Tensor]) -> None:
@@ -213,19 +243,20 @@ class Prefetcher:
             states[i] = record.payload(STATE_POOL).clone()
 
     def _wait(self, req: Req, pending: Pending[Answer] | Exception, deadline: float | None,
-              n: int) -> Answer | None:
+              n: int) -> Answer | MissReason:
+        """The batch's answer, or why there is none (its ``n`` pages counted)."""
         if isinstance(pending, Exception):
             self.link.fault(req, "get", MissReason.STORAGE_ERROR, pending, n)
-            return None
+            return MissReason.STORAGE_ERROR
         try:
             if deadline is None and not pending.done():
                 self.stats.count(Event.MISS, MissReason.TIMEOUT, n)   # best_effort: not yet
-                return None
+                return MissReason.TIMEOUT
             left = 0.0 if deadline is None else max(0.0, deadline - time.monotonic())
             return pending.result(left)
         except Exception as e:  # noqa: BLE001
             self.link.fault(req, "get", MissReason.STORAGE_ERROR, e, n)
-            return None
+            return MissReason.STORAGE_ERROR
 
     def _page_tokens(self, req: Req, chain: Chain, i: int) -> list[int]:
         """The request's own tokens of page ``chain.names[i]``, which the record's name must
@@ -280,9 +311,12 @@ def _padded(pages: list[Any] | None, n: int) -> list[Any]:
     return pages + [None] * (n - len(pages))
 
 
-def _missing_reason(pending: Pending[Any]) -> MissReason:
+def _missing_reason(pending: Pending[Any], stale: bool) -> MissReason:
     """Why an asked-for record came back as ``None``: a shard fault, a wait that ran out
-    (the call is still not done), or the store not having it (any more)."""
+    (the call is still not done), or the store not having it (any more; ``stale``: a page
+    index said it did)."""
     if pending.faults:
         return pending.faults[0].reason
-    return MissReason.NOT_STORED if pending.done() else MissReason.TIMEOUT
+    if not pending.done():
+        return MissReason.TIMEOUT
+    return MissReason.STALE_INDEX if stale else MissReason.NOT_STORED

@@ -52,7 +52,7 @@ def _storage_client(handles: Sequence[Any], config: PDCacheConfig,
     from pd_cache.storage.tier import resolve
 
     client = StorageClient(resolve(handles), algo=config.cache.hash_algo, timeout_s=timeout_s,
-                           metrics=metrics)
+                           metrics=metrics, segment_pages=config.storage.segment_pages)
     sealer = Sealer(keyring or Keyring.random(), enabled=config.storage.seal)
     return SealedStorage(client, sealer, metrics)
 
@@ -121,15 +121,17 @@ class PrefillActor(_Hosted, PrefillWorker):
         self.algo = config.cache.hash_algo
 
     @ray.method(num_returns=3)
-    def prefill(self, req: Req, kept_pages: int | list[Any] = 0) -> PrefillResult:
+    def prefill(self, req: Req, kept_pages: int | list[Any] = 0,
+                l3_pages: int | None = None) -> PrefillResult:
         """-> info, the prompt's KV pages after the ``kept_pages`` decode holds, a hybrid
         prompt's states (``None`` when plain), as three objects. ``kept_pages`` may be a
         decode worker's ``reserve`` call (its ref in a list), awaited once the prompt is
         computed."""
         self._saw(req)
         if isinstance(kept_pages, list):
-            return super().prefill(req, functools.partial(_reserved, kept_pages[0], req.rid))
-        return super().prefill(req, kept_pages)
+            return super().prefill(req, functools.partial(_reserved, kept_pages[0], req.rid),
+                                   l3_pages)
+        return super().prefill(req, kept_pages, l3_pages)
 
 
 def _reserved(ref: Any, rid: str) -> int:

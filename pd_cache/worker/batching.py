@@ -52,6 +52,7 @@ class _Job(NamedTuple):
     submitted: float = 0.0   # time.perf_counter() when handed in
     state: PromptState | None = None   # a hybrid prompt's recurrent state
     names: Sequence[bytes] | None = None   # the prompt's page names, as prefill computed them
+    l3_pages: int | None = None   # the prompt's leading pages L3 holds (None: unknown)
 
 
 log = logging.getLogger(__name__)
@@ -87,10 +88,10 @@ class DecodeBatcher:
 
     def submit(self, req: Req, pages: torch.Tensor, num_prompt_tokens: int,
                first_token: int, on_token: Callable[[int], None] | None = None, *,
-               state: PromptState | None = None,
-               names: Sequence[bytes] | None = None) -> Future[list[int]]:
+               state: PromptState | None = None, names: Sequence[bytes] | None = None,
+               l3_pages: int | None = None) -> Future[list[int]]:
         """Hand a request in (with a hybrid prompt's ``state``, the prompt's page ``names``
-        as ``LocalEngine.decode`` takes them); ``on_token(t)`` sees each
+        and ``l3_pages`` as ``LocalEngine.decode`` takes them); ``on_token(t)`` sees each
         token after the first as it is drawn. The future holds every token, or the error
         that ended the request."""
         if self._closed:
@@ -99,7 +100,7 @@ class DecodeBatcher:
         self._live.add(req.rid)
         done.add_done_callback(lambda _: self._forget(req.rid))   # however it ends
         self._queue.put(_Job(req, pages, num_prompt_tokens, first_token, done, on_token,
-                             time.perf_counter(), state, names))
+                             time.perf_counter(), state, names, l3_pages))
         return done
 
     def cancel(self, rid: str) -> None:
@@ -166,7 +167,8 @@ class DecodeBatcher:
                 continue
             try:
                 seq = self.engine.start_decode(job.req, job.pages, job.num_prompt_tokens,
-                                               job.first_token, job.state, job.names)
+                                               job.first_token, job.state, job.names,
+                                               job.l3_pages)
             except Exception as e:  # noqa: BLE001 - the caller gets it
                 job.done.set_exception(e)
                 continue

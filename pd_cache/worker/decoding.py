@@ -67,7 +67,7 @@ class Decoding:
 
     def decode(self, req: Req, prompt_kv_pages: torch.Tensor, num_prompt_tokens: int,
                first_token: int, state: PromptState | None = None,
-               names: Sequence[bytes] | None = None) -> list[int]:
+               names: Sequence[bytes] | None = None, l3_pages: int | None = None) -> list[int]:
         """Generate up to ``req.max_new_tokens`` tokens after the prompt (fewer when one is a
         stop token of ``req.sampling``); fills ``req.output_ids``.
 
@@ -80,7 +80,7 @@ class Decoding:
         several in one batch.
         """
         seq = self.start_decode(req, prompt_kv_pages, num_prompt_tokens, first_token, state,
-                                names)
+                                names, l3_pages)
         while not seq.done:
             req.check_deadline("decode")
             self.decode_step([seq])
@@ -88,9 +88,11 @@ class Decoding:
 
     def start_decode(self, req: Req, prompt_kv_pages: torch.Tensor, num_prompt_tokens: int,
                      first_token: int, state: PromptState | None = None,
-                     names: Sequence[bytes] | None = None) -> DecodeSeq:
+                     names: Sequence[bytes] | None = None,
+                     l3_pages: int | None = None) -> DecodeSeq:
         """Check the handoff, copy the prompt's KV (and state) into private buffers, start
-        offload under the prompt's page ``names``."""
+        offload under the prompt's page ``names`` (of which L3 holds the first
+        ``l3_pages``, as prefill said; ``None``: unknown, offload asks)."""
         self._check_request(req)
         if num_prompt_tokens != len(req.input_ids):
             raise ValueError(f"num_prompt_tokens: {num_prompt_tokens} != prompt length "
@@ -105,7 +107,8 @@ class Decoding:
         offloading = None
         if self.offload is not None:
             offloading = self.offload.offload_kv_cache(req, names,
-                                                       state.pages if state else None)
+                                                       state.pages if state else None,
+                                                       l3_pages=l3_pages)
         n, steps = num_prompt_tokens, req.max_new_tokens
         # NOTE: one buffer for the whole sequence; the last token's KV is never needed.
         buf = kv.new_empty((*kv.shape[:2], n + max(steps, 1) - 1, *kv.shape[3:]))

@@ -100,11 +100,14 @@ class LocalEngine(Decoding):
         """Prefill then decode in this process; fills ``req.output_ids``."""
         out = self.prefill(req)
         tokens = self.decode(req, out.kv_pages, out.num_prompt_tokens, out.first_token,
-                             out.state, out.page_names)
+                             out.state, out.page_names, out.l3_pages)
         return Result(req.rid, tokens, out.cached_tokens, out.logits)
 
-    def prefill(self, req: Req) -> PrefillOutput:
+    def prefill(self, req: Req, l3_pages: int | None = None) -> PrefillOutput:
         """Compute the prompt's KV (reusing cached pages) and draw the first token.
+
+        ``l3_pages``: how many leading pages of the prompt's chain L3 holds, as a page index
+        says (``CacheController.fetch``; ``None``: no index).
 
         Raises ``ValueError`` for a request the model cannot serve (a token id outside the
         vocabulary, prompt plus ``max_new_tokens`` beyond the context); nothing is cached then.
@@ -118,7 +121,7 @@ class LocalEngine(Decoding):
         match, refused = self._audit(req, self.cache.match_prefix(key, max_pages=usable), seed)
         self.cache.lock(match.node)
         try:
-            return self._prefill_locked(req, key, match, usable, seed, refused)
+            return self._prefill_locked(req, key, match, usable, seed, refused, l3_pages)
         finally:
             self.cache.unlock(match.node)
 
@@ -135,9 +138,9 @@ class LocalEngine(Decoding):
         return self.cache.prefix_of(match, good), refused
 
     def _prefill_locked(self, req: Req, key: CacheKey, match: MatchResult, usable: int,
-                        seed: bytes, refused: int) -> PrefillOutput:
+                        seed: bytes, refused: int, l3_pages: int | None) -> PrefillOutput:
         wanted = key.names[match.num_pages:usable]
-        stored = self._match_storage(req, wanted, key.names[:match.num_pages])
+        stored = self._match_storage(req, wanted, key.names[:match.num_pages], l3_pages)
         check_pages(stored.pages, self.layout, field="_match_storage: pages")
         if stored.pages.shape[0] > len(wanted):
             raise ValueError(f"_match_storage: pages: {stored.pages.shape[0]} pages for "
@@ -162,7 +165,11 @@ class LocalEngine(Decoding):
             checkpoints(done, key.num_pages - 1, self.state_every), out.states))
         self.cache.insert(key, pages, seed, {**known, **kept})
         if self.controller is not None:
-            self.controller.write_through(req, key, done, pages, kept)
+            # NOTE: writes skip what L3 holds: what it supplied, and what the index says it
+            # holds past that (unless the read found the index stale).
+            held = done if l3_pages is None or stored.stale else max(done, l3_pages)
+            self.controller.write_through(req, key, held, pages, kept)
+            l3_pages = self.controller.held_after(key.names, local, l3_pages, stored.stale)
         logits = out.logits[-1]
         cached = {Tier.DEVICE.value: match.count(Tier.DEVICE) * self.page_size,
                   Tier.HOST.value: match.count(Tier.HOST) * self.page_size,
@@ -170,7 +177,8 @@ class LocalEngine(Decoding):
         state = None if out.state is None else PromptState(out.state, {**known, **kept})
         return PrefillOutput(req.rid, sample(logits, req.sampling, 0), pages,
                              len(req.input_ids), key.names, cached, logits, seed,
-                             refused + stored.cross_namespace, state)
+                             refused + stored.cross_namespace, state,
+                             None if self.controller is None else l3_pages)
 
     def _state_at(self, done: int, num_pages: int) -> list[int]:
         """Counts of new tokens after which a hybrid prefill keeps the state: the ends of
@@ -192,8 +200,8 @@ class LocalEngine(Decoding):
             return {}
         return {match.num_pages - 1: self.cache.read_state(match, match.num_pages)}
 
-    def _match_storage(self, req: Req, names: tuple[bytes, ...],
-                       prefix: tuple[bytes, ...]) -> StoredPages:
+    def _match_storage(self, req: Req, names: tuple[bytes, ...], prefix: tuple[bytes, ...],
+                       l3_pages: int | None = None) -> StoredPages:
         """KV of the leading pages of ``names`` that a lower tier (L3) can supply.
 
         ``names`` are the prompt's page names right after the local L1/L2 hit, ``prefix``
@@ -203,7 +211,7 @@ class LocalEngine(Decoding):
         if self.controller is None or not names:
             return StoredPages(torch.empty((0, *self.layout.page_shape),
                                            dtype=self.device_pool.data.dtype))
-        return self.controller.fetch(req, names, prefix)
+        return self.controller.fetch(req, names, prefix, l3_pages)
 
     def _host_slots(self, n: int, owner: str) -> list[int]:
         """Up to ``n`` host slots for ``owner``, evicting unlocked L2 pages to make room."""

@@ -49,7 +49,8 @@ class PrefillOutput(NamedTuple):
     request's namespace seed (the KV's producer, for the reader's audit);
     ``cross_namespace_pages`` counts cached pages refused because another namespace
     produced them (recomputed instead; 0 unless a lookup is wrong); ``state`` is a hybrid
-    prompt's recurrent state (``None`` for a plain model).
+    prompt's recurrent state (``None`` for a plain model); ``l3_pages``: the prompt's
+    leading pages L3 holds once this prefill's write lands (``None``: unknown).
     """
 
     rid: str
@@ -62,6 +63,7 @@ class PrefillOutput(NamedTuple):
     seed: bytes = b""
     cross_namespace_pages: int = 0
     state: PromptState | None = None
+    l3_pages: int | None = None
 
 
 class Result(NamedTuple):

@@ -119,20 +119,25 @@ class PrefillWorker(_Worker):
 
     role = "prefill"
 
-    def prefill(self, req: Req, kept_pages: int | Callable[[], int] = 0) -> PrefillResult:
+    def prefill(self, req: Req, kept_pages: int | Callable[[], int] = 0,
+                l3_pages: int | None = None) -> PrefillResult:
         """Raises ``ValueError`` for a request the model cannot serve (nothing is cached),
         ``DeadlineExceeded`` for one past its deadline (nothing is computed).
 
         ``kept_pages``: the prompt's leading pages the decode worker holds (reserved
         there), or a function answering it, called once the prompt is computed (so the
         reservation runs meanwhile; an answer out of range hands over the whole prompt);
-        the KV returned starts after them."""
+        the KV returned starts after them. ``l3_pages``: the prompt chain's leading pages
+        L3 holds, as a page index says (read with no ``exists``; ``None``: no index)."""
         req.check_deadline("prefill")
         full = len(req.input_ids) // self.page_size
         if not callable(kept_pages) and not _pages_in(kept_pages, full):
             raise ValueError(f"kept_pages: expected an int in [0, {full}], got {kept_pages!r}")
+        if l3_pages is not None and (isinstance(l3_pages, bool) or not isinstance(l3_pages, int)
+                                     or l3_pages < 0):
+            raise ValueError(f"l3_pages: expected an int >= 0 or None, got {l3_pages!r}")
         start = time.perf_counter()
-        out = self.engine.prefill(req)
+        out = self.engine.prefill(req, l3_pages)
         seconds = time.perf_counter() - start
         if callable(kept_pages):
             kept_pages = _answered(kept_pages(), full, req.rid)
@@ -140,7 +145,8 @@ class PrefillWorker(_Worker):
         states, state_pages = out.state.pack() if out.state is not None else (None, ())
         info = PrefillInfo(req.rid, self.worker_id, out.first_token, out.num_prompt_tokens,
                            self.page_size, tuple(out.page_names), cached, out.seed,
-                           out.cross_namespace_pages, seconds, state_pages, kept_pages)
+                           out.cross_namespace_pages, seconds, state_pages, kept_pages,
+                           out.l3_pages)
         self._record(req, info)
         return PrefillResult(info, out.kv_pages[kept_pages:], states)
 
@@ -246,7 +252,8 @@ class DecodeWorker(_Worker):
             self.hold(req, None if refused else kv_pages, names)
         drawn: queue.SimpleQueue[int] = queue.SimpleQueue()
         done = self.batcher.submit(req, kv_pages, info.num_prompt_tokens, first, drawn.put,
-                                   state=state, names=names)
+                                   state=state, names=names,
+                                   l3_pages=info.l3_pages if names is not None else None)
         while not done.done() or not drawn.empty():
             try:
                 yield drawn.get(timeout=0.05)

@@ -135,8 +135,7 @@ def test_identical_prompts_share_pages_only_within_a_namespace(cluster: PDCluste
     assert same_l3.cached_tokens["storage"] == PS * 4
     names_a, names_b = cluster.router_names(req(prompt, a)), cluster.router_names(req(prompt, b))
     assert set(names_a).isdisjoint(names_b)
-    store = cluster.storage_client()
-    assert store.batch_exists(names_a) == store.batch_exists(names_b) == 4  # two sets at L3
+    assert cluster.l3_holds(names_a) == cluster.l3_holds(names_b) == 4   # two sets at L3
     assert all(c.cross_namespace_tokens == 0 for c in (other, same_local, same_l3))
 
 
@@ -149,7 +148,7 @@ def test_page_names_agree_across_processes(cluster: PDCluster, ns: Any) -> None:
         assert computed == names.router
     cluster.generate(r)
     cluster.flush()
-    assert cluster.storage_client().batch_exists(names.router) == 3  # stored under them
+    assert cluster.l3_holds(names.router) == 3   # stored under them
     others = [cluster.router_names(req(r.input_ids, o)) for o in NAMESPACES if o != ns]
     assert all(set(names.router).isdisjoint(o) for o in others)
 
@@ -230,9 +229,8 @@ def test_drop_caches_empties_every_tier_and_the_next_request_computes_all(
     assert cluster.generate(first).output_ids == expected(model, first)
     cluster.flush()
     # The prompt's pages are now held: in the serving worker's L1 and in L3.
-    client = cluster.storage_client()
     names = cluster.router_names(first)
-    assert client.batch_exists(names) == len(names) == 10
+    assert cluster.l3_holds(names) == len(names) == 10
     assert any(s.pool_usage["device"].get("radix") for s in cluster.states())
 
     dropped = cluster.drop_caches()
@@ -243,7 +241,7 @@ def test_drop_caches_empties_every_tier_and_the_next_request_computes_all(
         assert not state.pool_usage["device"].get("radix"), state
         assert not state.pool_usage["host"].get("radix"), state
     assert [ray.get(s.usage.remote()).records for s in cluster.storage] == [0, 0]
-    assert client.batch_exists(names) == 0
+    assert cluster.l3_holds(names) == 0
     again = req(prompt, (None, "drop-test"))
     out = cluster.generate(again)
     assert out.output_ids == expected(model, again)
@@ -264,4 +262,46 @@ def test_clients_at_their_own_pace_send_each_turn_after_their_own_answer(
         if spec.depends_on is not None:
             assert recs[spec.index].sent_s >= recs[spec.depends_on].end_s, spec.index
     assert sum(r.cached_tokens for r in run.records if r.turn > 0) > 0
+    assert_idle(cluster)
+
+
+def test_l3_calls_per_turn_at_the_shards_and_a_stale_index_hint(cluster: PDCluster,
+                                                                 model: Model) -> None:
+    """Two turns of a conversation on two workers make the L3 calls the shards count (one
+    get, one write-through, one offload a turn; no exists), on the one shard its names
+    place it on; a prefill told L3 holds more than it does reads what is there, counts the
+    rest stale_index, and answers as the model does."""
+    ns = (None, "l3-calls")
+    before = cluster.l3_calls()
+    records = [ray.get(s.usage.remote()).records for s in cluster.storage]
+    first = req(tokens(9100, 41), ns, max_new=6)            # 10 full pages
+    out1 = cluster.generate(first, prefill_worker=0, decode_worker=0)
+    cluster.flush()
+    second = req(first.input_ids + out1.output_ids + tokens(9101, 9), ns, max_new=6)
+    out2 = cluster.generate(second, prefill_worker=1, decode_worker=1)
+    cluster.flush()
+    assert out2.output_ids == expected(model, second)
+    assert out2.cached_tokens["storage"] == 11 * PS         # turn one's prompt and answer
+    calls = {op: n - before[op] for op, n in cluster.l3_calls().items()}
+    assert calls == {"exists": 0, "get": 2, "set": 4}
+    names = cluster.router_names(second) + [b"\0" * 16]     # 14 prompt pages (+1 offloaded)
+    owner = cluster.storage_client().shards_of(names, [])
+    assert len(set(owner)) == 1                             # one segment: one shard
+    added = [ray.get(s.usage.remote()).records - n for s, n in zip(cluster.storage, records)]
+    assert added[owner[0]] == 10 + 1 + 3 + 1 and added[1 - owner[0]] == 0
+    assert cluster.l3_holds(names[:-1]) == 14
+
+    third = req(second.input_ids + out2.output_ids + tokens(9102, 9), ns, max_new=4)
+    full = len(third.input_ids) // PS                       # 17; L3 holds 15 of them
+    misses = ray.get(cluster.prefill[0].engine_stats.remote()).get("miss/stale_index", 0)
+    info_ref, *handoff = cluster.prefill[0].prefill.remote(third, 0, full)
+    info = ray.get(info_ref)
+    done = ray.get(cluster.decode[0].decode_handoff.remote(third, info, handoff))
+    assert [info.first_token, *done.output_ids[1:]] == done.output_ids == \
+        expected(model, third)
+    assert info.cached_tokens["device"] == 10 * PS and info.cached_tokens["storage"] == 5 * PS
+    stats = ray.get(cluster.prefill[0].engine_stats.remote())
+    assert stats["miss/stale_index"] - misses == 2          # pages 15 and 16
+    cluster.flush()
+    assert cluster.l3_holds(cluster.router_names(third)) == full   # the write filled them
     assert_idle(cluster)

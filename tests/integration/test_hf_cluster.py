@@ -80,7 +80,7 @@ def test_two_tenants_never_share_pages(arch_cluster) -> None:
     assert_matches(b.output_ids, want)
     names = [cluster.router_names(req(prompt, 5, s)) for s in ("tenant-x", "tenant-y")]
     assert set(names[0]).isdisjoint(names[1])
-    assert cluster.storage_client().batch_exists(names[1]) == 4   # b's own, written after
+    assert cluster.l3_holds(names[1]) == 4   # b's own, written after
     assert_idle(cluster)
 
 

@@ -62,6 +62,8 @@ class MetricsProbe:
         m.count_storage_stats(shard.snapshot(), source="shard0")
         shard.count(Event.HIT, n=2)
         m.count_storage_stats(shard.snapshot(), source="shard0")
+        m.count_storage_calls({"exists": 0, "get": 2, "set": 1}, source="shard0")
+        m.count_storage_calls({"exists": 0, "get": 3, "set": 1}, source="shard0")
         # A second instance in the same process records into the same Ray instruments.
         PDCacheMetrics("ray").count_miss("timeout", 2)
 
@@ -102,6 +104,8 @@ def expected() -> Samples:
         key("pd_cache_storage_events_total", backend="memory", event="miss"): 1,
         key("pd_cache_storage_events_total", backend="memory", event="refused"): 1,
         key("pd_cache_storage_refusals_total", backend="memory", reason="disk_full"): 1,
+        key("pd_cache_storage_calls_total", op="get"): 3,
+        key("pd_cache_storage_calls_total", op="set"): 1,
         key("pd_cache_handoff_kept_pages_total"): 4,
         key("pd_cache_handoff_kept_bytes_total"): 4 * 4096,
         key("pd_cache_decode_cache_hits_pages_total", tier="device"): 3,

@@ -70,6 +70,7 @@ def test_every_instrument_is_served_over_http(served):
     metrics.count_miss("timeout", 3)
     metrics.count_storage_stats({"hit/": 9, "miss/not_stored": 2, "refused/storage_error": 1},
                                 backend="memory")
+    metrics.count_storage_calls({"exists": 0, "get": 2, "set": 1}, source="shard0")
     metrics.observe_prefetch(4, 4096, 0.003, backend="disk")
     metrics.observe_prefetch(2, 2048, 0.2, backend="disk", outcome="short")
     metrics.observe_backup(5, 5120, 0.04)
@@ -117,6 +118,8 @@ def test_every_instrument_is_served_over_http(served):
     assert value(got, "pd_cache_storage_events_total", backend="memory", event="hit") == 9
     assert value(got, "pd_cache_storage_refusals_total", backend="memory",
                  reason="storage_error") == 1
+    assert value(got, "pd_cache_storage_calls_total", op="get") == 2
+    assert ("pd_cache_storage_calls_total", frozenset({("op", "exists")})) not in got
     assert value(got, "pd_cache_prefetch_pages_total", backend="disk", outcome="ok") == 4
     assert value(got, "pd_cache_prefetch_bytes_total", backend="disk", outcome="short") == 2048
     assert value(got, "pd_cache_prefetch_seconds_count", backend="disk", outcome="ok") == 1
@@ -173,7 +176,9 @@ def test_vocabularies_are_fixed_and_names_follow_the_convention():
     assert VOCABULARIES["reason"] == tuple(r.value for r in MissReason)
     assert set(VOCABULARIES["reason"]) == {"not_stored", "evicted", "verification_failed",
                                            "namespace_refused", "timeout", "storage_error",
-                                           "cross_namespace", "disk_full", "key_retired"}
+                                           "cross_namespace", "disk_full", "key_retired",
+                                           "stale_index"}
+    assert VOCABULARIES["op"] == ("exists", "get", "set")
     suffix = {"counter": ("_total",), "histogram": ("_seconds",),
               "gauge": ("_pages", "_bytes")}
     for spec in METRICS:

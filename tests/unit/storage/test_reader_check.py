@@ -71,10 +71,11 @@ def test_pages_asked_for_under_names_of_other_tokens_are_refused() -> None:
     engine = LocalEngine(cfg, storage=store)
     real = engine.controller.reader.prefetch
 
-    def mapped(req: Req, names: Sequence[bytes], prefix: Sequence[bytes] = ()) -> object:
+    def mapped(req: Req, names: Sequence[bytes], prefix: Sequence[bytes] = (),
+               **hint: object) -> object:
         # A naming bug upstream: b's request asks for a's pages (same namespace, so the
         # store's chain check and the seed audit pass; only b's own tokens tell).
-        return real(req, names_a[len(prefix):len(prefix) + len(names)], prefix)
+        return real(req, names_a[len(prefix):len(prefix) + len(names)], prefix, **hint)
 
     engine.controller.reader.prefetch = mapped
     r = Req(rid="r", input_ids=b, max_new_tokens=8)

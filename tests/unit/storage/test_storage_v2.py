@@ -271,7 +271,7 @@ def test_sharded_exists_ends_at_a_state_on_any_shard() -> None:
     """The client merges each shard's answer (real backends, the transport left out): a
     state stored on one shard is an end although the other shard has none."""
     chain = Chain(layout_for(), 8, state_shape=STATE)
-    client = StorageClient([None, None])
+    client = StorageClient([None, None], segment_pages=1)   # a page per segment: spread
     shards = [MemoryBackend(layout_for(), 1 << 24) for _ in range(2)]
     info = info_for(chain, 0)
     ask = [PoolTransfer("kv", chain.names), PoolTransfer("state", chain.names[4:])]
@@ -280,10 +280,10 @@ def test_sharded_exists_ends_at_a_state_on_any_shard() -> None:
         states = PoolTransfer("state", [chain.names[i] for i in with_states],
                               [chain.states[i] for i in with_states])
         batches = check_batch([kv, states], None, "xxh3_128", with_pages=True)
-        for s, parts in client._plan(batches).items():
+        for s, parts in client._plan(batches, None).items():
             shards[s].batch_set_v2(_share(batches, parts))
         batches = check_batch(ask, info, "xxh3_128", with_pages=False)
-        plan = client._plan(batches)
+        plan = client._plan(batches, info)
         answers = {s: shards[s].batch_exists_v2(_share(batches, parts))
                    for s, parts in plan.items()}
         hits = _merge_exists(batches, plan, answers)

@@ -109,7 +109,8 @@ def test_a_call_that_times_out_is_a_miss_and_the_request_completes() -> None:
     result = engine.generate(r)
     assert result.output_ids == reference(engine, r)
     assert result.cached_tokens["storage"] == 3 * PS
-    assert engine.stats.get(Event.MISS, MissReason.TIMEOUT) == 3
+    # the read stopped at the 2nd batch: its 3 pages and the 4 after it, under its reason
+    assert engine.stats.get(Event.MISS, MissReason.TIMEOUT) == 7
     assert acks(engine) == engine.stats.get(PREFETCH_BATCH) == 4
     slow.gate.set()
     assert_clean(engine)
@@ -145,7 +146,7 @@ def test_timeout_gives_up_at_its_bound_and_uses_what_arrived() -> None:
     result = engine.generate(r)
     assert result.cached_tokens["storage"] == 6 * PS   # batches 1 and 2 arrived
     assert result.output_ids == reference(engine, r)
-    assert engine.stats.get(Event.MISS, MissReason.TIMEOUT) == 3
+    assert engine.stats.get(Event.MISS, MissReason.TIMEOUT) == 3 + 1   # batch 3, and 4's
     slow.gate.set()
     assert_clean(engine)
     engine.close()
