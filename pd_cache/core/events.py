@@ -125,19 +125,23 @@ Held = Callable[[], Mapping[str, Iterable[bytes]]]   # tier -> every name held t
 
 
 class Publisher:
-    """Sends one ``EventLog`` to the index shards every ``flush_s`` on a daemon thread.
+    """Sends one ``EventLog`` to the index shards every ``flush_s`` on a daemon thread, and
+    an empty batch after ``heartbeat_s`` of silence (a restarted shard then asks for a
+    snapshot: an idle publisher is not forgotten).
 
     ``send`` returns the shard's answer (``False``: it wants a snapshot) and raises if the
     shard could not be reached (then a snapshot follows too); ``held`` lists what the
     publisher holds, per tier, for a snapshot."""
 
     def __init__(self, name: str, log_: EventLog, num_shards: int, send: Send, held: Held,
-                 flush_s: float = 0.05, clock: Callable[[], float] | None = None) -> None:
+                 flush_s: float = 0.05, heartbeat_s: float = 1.0,
+                 clock: Callable[[], float] | None = None) -> None:
         import time
 
         self.name, self.log, self.num_shards = name, log_, num_shards
-        self.send, self.held, self.flush_s = send, held, flush_s
+        self.send, self.held, self.flush_s, self.heartbeat_s = send, held, flush_s, heartbeat_s
         self.clock = clock or time.time
+        self._last = [0.0] * num_shards   # when each shard last heard from this publisher
         self.epoch = new_epoch()
         self.seq = [0] * num_shards
         self.stale = [True] * num_shards   # the shard needs a snapshot first
@@ -164,7 +168,7 @@ class Publisher:
         for k in range(self.num_shards):
             if self.stale[k] and held is not None:
                 self._send(k, EventBatch(self.name, self.epoch, self.seq[k], held[k], True, now))
-            elif not self.stale[k] and events[k]:
+            elif not self.stale[k] and (events[k] or now - self._last[k] >= self.heartbeat_s):
                 self._send(k, EventBatch(self.name, self.epoch, self.seq[k], events[k], False,
                                          now))
 
@@ -178,6 +182,7 @@ class Publisher:
 
     def _send(self, shard: int, batch: EventBatch) -> None:
         self.seq[shard] += 1
+        self._last[shard] = batch.sent_at
         try:
             accepted = self.send(shard, batch)
         except Exception as exc:  # noqa: BLE001 - lost or not: the shard gets a snapshot

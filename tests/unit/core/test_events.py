@@ -51,19 +51,24 @@ class Shard:
 
 
 def test_publisher_snapshots_first_then_sends_batches_and_snapshots_after_a_refusal() -> None:
-    log, shard = EventLog(), Shard()
+    log, shard, now = EventLog(), Shard(), [100.0]
     held = {"device": list(NAMES[:2])}
-    pub = Publisher("prefill-0", log, 1, shard.send, lambda: held)
+    pub = Publisher("prefill-0", log, 1, shard.send, lambda: held, heartbeat_s=1.0,
+                    clock=lambda: now[0])
     log.add(STORED, "device", NAMES[:2])
     pub.flush()                                   # first contact: a snapshot of what is held
     assert shard.got[-1].snapshot and shard.got[-1].events == [PagesStored("device",
                                                                           NAMES[:2])]
+    now[0] = 100.5
     pub.flush()
     assert len(shard.got) == 1                    # nothing logged: nothing sent
+    now[0] = 101.5
+    pub.flush()                                   # a second of silence: a heartbeat
+    assert shard.got[-1].seq == 1 and shard.got[-1].events == []
     log.add(STORED, "host", NAMES[2:3])
     pub.flush()
     last = shard.got[-1]
-    assert not last.snapshot and last.seq == 1 and last.epoch == pub.epoch
+    assert not last.snapshot and last.seq == 2 and last.epoch == pub.epoch
     assert last.events == [PagesStored("host", NAMES[2:3])]
     shard.refuse_next = True                      # the shard restarted: it refuses
     log.add(REMOVED, "device", NAMES[:1])
@@ -71,7 +76,7 @@ def test_publisher_snapshots_first_then_sends_batches_and_snapshots_after_a_refu
     assert pub.stale == [True]
     held = {"device": list(NAMES[1:2]), "host": list(NAMES[2:3])}
     pub.flush()                                   # a snapshot replaces what was lost
-    assert shard.got[-1].snapshot and shard.got[-1].seq == 3 and pub.stale == [False]
+    assert shard.got[-1].snapshot and shard.got[-1].seq == 4 and pub.stale == [False]
 
 
 def test_an_unreachable_shard_gets_a_snapshot_once_it_answers() -> None:
