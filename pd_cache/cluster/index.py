@@ -186,6 +186,20 @@ class IndexActor(PageIndex):
 
         return os.getpid()
 
+    def rss(self) -> int:
+        """This process's resident bytes (the benchmark's memory figure)."""
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    def footprint(self) -> int:
+        """Bytes Python counts for the entries: the dict, its keys, masks not shared."""
+        import sys
+
+        size = sys.getsizeof(self.masks)
+        for name, mask in self.masks.items():
+            size += sys.getsizeof(name) + (sys.getsizeof(mask) if mask > 256 else 0)
+        return size
+
 
 def index_bound(config: ClusterConfig) -> int:
     """Entries one shard may hold: what every worker's L1 and L2 and L3 can hold, over the

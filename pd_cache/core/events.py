@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import msgspec
@@ -52,7 +53,7 @@ class EventBatch(msgspec.Struct, frozen=True, gc=False):
     seq: int
     events: list[KVEvent]
     snapshot: bool = False
-    sent_at: float = 0.0   # the publisher's clock when drained (the benchmark's lag)
+    sent_at: float = 0.0   # wall clock of its oldest event (lag = applied - sent_at)
 
 
 class WorkerHit(msgspec.Struct, frozen=True, gc=False):
@@ -89,9 +90,12 @@ class EventLog:
     def __init__(self) -> None:
         self._pending: list[tuple[bool, str, Sequence[bytes]]] = []
         self._swap = threading.Lock()
+        self.oldest = 0.0   # when the oldest pending entry was added (wall clock)
 
     def add(self, stored: bool, tier: str, names: Sequence[bytes]) -> None:
         if names:
+            if not self._pending:
+                self.oldest = time.time()
             self._pending.append((stored, tier, names))
 
     def drain(self) -> list[tuple[bool, str, Sequence[bytes]]]:
@@ -136,8 +140,6 @@ class Publisher:
     def __init__(self, name: str, log_: EventLog, num_shards: int, send: Send, held: Held,
                  flush_s: float = 0.05, heartbeat_s: float = 1.0,
                  clock: Callable[[], float] | None = None) -> None:
-        import time
-
         self.name, self.log, self.num_shards = name, log_, num_shards
         self.send, self.held, self.flush_s, self.heartbeat_s = send, held, flush_s, heartbeat_s
         self.clock = clock or time.time
@@ -163,14 +165,16 @@ class Publisher:
 
     def flush(self) -> None:
         """Send what was logged (or a snapshot where a shard wants one)."""
-        now, events = self.clock(), split(self.log.drain(), self.num_shards)
+        now, oldest, entries = self.clock(), self.log.oldest, self.log.drain()
+        events = split(entries, self.num_shards)
+        since = min(now, oldest) if entries else now
         held = self._snapshot() if any(self.stale) else None
         for k in range(self.num_shards):
             if self.stale[k] and held is not None:
                 self._send(k, EventBatch(self.name, self.epoch, self.seq[k], held[k], True, now))
             elif not self.stale[k] and (events[k] or now - self._last[k] >= self.heartbeat_s):
                 self._send(k, EventBatch(self.name, self.epoch, self.seq[k], events[k], False,
-                                         now))
+                                         since if events[k] else now))
 
     def _snapshot(self) -> list[list[KVEvent]] | None:
         try:
@@ -182,7 +186,7 @@ class Publisher:
 
     def _send(self, shard: int, batch: EventBatch) -> None:
         self.seq[shard] += 1
-        self._last[shard] = batch.sent_at
+        self._last[shard] = self.clock()
         try:
             accepted = self.send(shard, batch)
         except Exception as exc:  # noqa: BLE001 - lost or not: the shard gets a snapshot

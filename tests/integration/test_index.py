@@ -21,7 +21,7 @@ import pytest
 from pd_cache import ClusterConfig, PDCluster, Req
 from pd_cache.core.events import IndexAnswer
 from pd_cache.model.model import Model
-from tests.integration.clusters import assert_idle, expected, wait_healthy
+from tests.integration.clusters import assert_idle, expected, started, wait_healthy
 
 ray = pytest.importorskip("ray")
 
@@ -34,9 +34,7 @@ VOCAB = CONFIG.pd_config.model.vocab_size
 
 @pytest.fixture(scope="module")
 def cluster(ray_cluster: Any) -> Iterator[PDCluster]:
-    c = PDCluster.start(CONFIG)
-    yield c
-    c.shutdown(check=True)
+    yield from started(CONFIG)
 
 
 def prompt_reqs(seed: int, n: int, system: int = 32, own: int = 9) -> list[Req]:
