@@ -22,10 +22,10 @@ import collections
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from pd_cache.cluster.index import ShardView, answer
+from pd_cache.cluster.index import ShardView, answer, locate
 from pd_cache.cluster.router import PrefixRouter, Route
 from pd_cache.core.cluster_config import ClusterConfig
-from pd_cache.core.events import IndexAnswer, shard_of
+from pd_cache.core.events import IndexAnswer
 
 
 class RouteWeights(NamedTuple):
@@ -77,12 +77,7 @@ class IndexClient:
     async def lookup(self, names: Sequence[bytes]) -> IndexAnswer | None:
         """The index's answer, or ``None`` if any shard did not answer in time."""
         n = len(self.shards)
-        asked: list[list[bytes]] = [[] for _ in range(n)]
-        where = []
-        for name in names:
-            k = shard_of(name, n)
-            where.append((k, len(asked[k])))
-            asked[k].append(name)
+        asked, where = locate(names, n)
         calls = [asyncio.wrap_future(self.shards[k].query.remote(asked[k]).future())
                  if asked[k] else _empty() for k in range(n)]
         try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pd_cache.cluster.index import PageIndex, answer
+from pd_cache.cluster.index import PageIndex, answer, locate
 from pd_cache.cluster.index_route import RouteWeights, cost, pick
 from pd_cache.core.events import (
     EventBatch,
@@ -26,13 +26,7 @@ def batch(pub: str, seq: int, *events: object, epoch: int = 1,
 
 
 def ask(shards: list[PageIndex], names: list[bytes]) -> IndexAnswer:
-    n = len(shards)
-    asked: list[list[bytes]] = [[] for _ in shards]
-    where = []
-    for name in names:
-        k = shard_of(name, n)
-        where.append((k, len(asked[k])))
-        asked[k].append(name)
+    asked, where = locate(names, len(shards))
     return answer([s.query(a) for s, a in zip(shards, asked)], where)
 
 
