@@ -59,6 +59,7 @@ class Worker:
 
     def __init__(self, name: str, names: list[bytes], actor: Any, flush_s: float) -> None:
         self.held = names
+        self.on_host = set(names[1::2])   # the rest are on device
         self.log = EventLog()
 
         def send(shard: int, batch: EventBatch) -> bool:
@@ -97,7 +98,9 @@ def replay(actor: Any, workers: list[Worker], rate: float, seconds: float,
                     i = rng.randrange(len(w.held))
                     w.held[i], gone = w.held[-1], w.held[i]
                     w.held.pop()
-                    w.log.add(False, "device" if rng.random() < 0.5 else "host", (gone,))
+                    tier = "host" if gone in w.on_host else "device"
+                    w.on_host.discard(gone)
+                    w.log.add(False, tier, (gone,))
                 else:
                     name = rng.randbytes(16)
                     w.held.append(name)
