@@ -25,6 +25,7 @@ class ClusterOperations(ClusterKeys):
     prefill: list[Any]
     decode: list[Any]
     storage: list[Any]
+    index_actors: list[Any]
     prefill_router: PrefixRouter
     decode_router: PrefixRouter
 
@@ -129,9 +130,9 @@ class ClusterOperations(ClusterKeys):
         try:
             ray.get(closing)
         finally:
-            for actor in self.prefill + self.decode + self.storage:
+            for actor in self.prefill + self.decode + self.storage + self.index_actors:
                 ray.kill(actor)
-            self.prefill, self.decode, self.storage = [], [], []
+            self.prefill, self.decode, self.storage, self.index_actors = [], [], [], []
 
 
     @staticmethod

@@ -29,6 +29,7 @@ any process (a restarted Serve replica), attaches to them instead of starting mo
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import time
@@ -40,6 +41,7 @@ import msgspec
 from pd_cache.cluster.calls import abandon, unwrap
 from pd_cache.cluster.decode_route import NOTHING, DecodeRouting, Reserved, decode_balance
 from pd_cache.cluster.health import Liveness, WorkerDied, ping_all, worker_died
+from pd_cache.cluster.index_route import IndexClient, IndexRouting
 from pd_cache.cluster.operations import NAMESPACE, ClusterOperations
 from pd_cache.cluster.router import PrefixRouter
 from pd_cache.core.cluster_config import ClusterConfig
@@ -49,13 +51,15 @@ from pd_cache.core.wire import Completion, DecodeInfo, PageNames, PrefillInfo
 log = logging.getLogger(__name__)
 
 
-class PDCluster(DecodeRouting, ClusterOperations):
+class PDCluster(IndexRouting, DecodeRouting, ClusterOperations):
     """N prefill, M decode and S storage actors and the router; see the module docstring."""
 
     def __init__(self, config: ClusterConfig, prefill: Sequence[Any], decode: Sequence[Any],
-                 storage: Sequence[Any]) -> None:
+                 storage: Sequence[Any], index: Sequence[Any] = ()) -> None:
         self.config, self.pd = config, config.pd_config
         self.prefill, self.decode, self.storage = list(prefill), list(decode), list(storage)
+        self.index_actors, self.routed = list(index), collections.Counter[str]()
+        self.index = IndexClient(index, config.index_timeout_s) if index else None
         capacity = self.pd.cache.device_pages + self.pd.cache.host_pages
         self.prefill_router = PrefixRouter(len(self.prefill), capacity, config.balance_threshold)
         self.decode_router = PrefixRouter(len(self.decode),
@@ -75,6 +79,7 @@ class PDCluster(DecodeRouting, ClusterOperations):
         (``destroy(name)`` removes them)."""
         import ray
 
+        from pd_cache.cluster.index import index_actors, index_bound
         from pd_cache.core.sealing import cluster_keyring
         from pd_cache.model.digest import with_weights_digest
         from pd_cache.storage.tier import ShardName, storage_actors
@@ -90,22 +95,26 @@ class PDCluster(DecodeRouting, ClusterOperations):
         named = _namer(name)
         # NOTE: storage shards are named even in a cluster without a name (a unique one,
         # not detached), so workers are told their names, not handles (see ShardName).
-        shards = f"{name}/storage" if name else f"pd-cache-{os.urandom(6).hex()}/storage"
+        base = name or f"pd-cache-{os.urandom(6).hex()}"
+        shards, at = f"{base}/storage", f"{base}/index"
+        index = index_actors(config.index_shards, index_bound(config), at, NAMESPACE,
+                             detached=bool(name)) if config.cache else []
+        index_names = [ShardName(f"{at}-{i}", NAMESPACE) for i in range(len(index))]
         storage = (storage_actors(pd, shards, detached=bool(name), namespace=NAMESPACE,
-                                  max_restarts=config.storage_restarts)
+                                  max_restarts=config.storage_restarts, index=index_names)
                    if config.with_storage else [])
         shard_names = [ShardName(f"{shards}-{i}", NAMESPACE) for i in range(len(storage))]
         opts = {"threads": config.threads, "num_cpus": config.actor_cpus,
                 "keyring": cluster_keyring(secret),
                 "storage_timeout_s": config.storage_timeout_s,
-                "max_restarts": config.worker_restarts}
+                "max_restarts": config.worker_restarts, "index": index_names}
         prefill = [prefill_actor(pd, i, shard_names, actor=named("prefill", i), **opts)
                    for i in range(config.num_prefill)]
         decode = [decode_actor(pd, i, shard_names, max_batch=config.decode_batch,
                                actor=named("decode", i), **opts)
                   for i in range(config.num_decode)]
         ray.get([a.ready.remote() for a in prefill + decode] + [s.ping.remote() for s in storage])
-        return cls(config, prefill, decode, storage)
+        return cls(config, prefill, decode, storage, index)
 
     # -- requests -----------------------------------------------------------------------
 
@@ -251,13 +260,13 @@ class PDCluster(DecodeRouting, ClusterOperations):
         """Route and run prefill by ``names`` (the prompt's, ``router_names``); the router
         learns the pages the worker now holds. The KV handed over starts after the pages
         ``reserved`` on decode; if prefill fails, that reservation is released.
-        ``l3_pages``: the leading pages of ``names`` L3 holds, from a page index (the
-        worker reads them with no ``exists``; ``None``: no index)."""
+        ``l3_pages``: the leading pages of ``names`` L3 holds (the worker reads them with
+        no ``exists``); ``None``: what the page index answers when it routes, else none."""
         self.liveness["prefill"].refresh()
         info_ref = None
         try:
-            worker = self.prefill_router.pick(names, failed).worker if pinned is None \
-                else pinned
+            route = await self._route_prefill(names, failed) if pinned is None else None
+            worker = pinned if route is None else route.worker
             self._check_worker("prefill_worker", worker, self.prefill)
             self.prefill_router.begin(worker)
         except BaseException:
@@ -268,6 +277,8 @@ class PDCluster(DecodeRouting, ClusterOperations):
         # (two clients of a tenant arriving together share the system prompt's compute).
         self.prefill_router.record(worker, names)
         try:
+            if l3_pages is None and route is not None:
+                l3_pages = route.l3_pages   # the index's answer (None: it did not answer)
             info_ref, *handoff = self.prefill[worker].prefill.remote(req, reserved.kept_arg,
                                                                      l3_pages)
             info = await self._call("prefill", worker, info_ref)

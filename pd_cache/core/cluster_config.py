@@ -100,11 +100,20 @@ class ClusterConfig:
     storage_restarts: int = _knob(3, "restarts of a storage actor before it stays dead")
     worker_restarts: int = _knob(-1, "restarts of a prefill or decode actor (-1: always)")
     metrics_interval_s: float = _knob(5.0, "how often each storage shard exports its counts (s)")
+    index_shards: int = _knob(0, "page index actors fed by KV events (sharded by name); 0: "
+                                 "each front routes by its own hints")
+    index_timeout_s: float = _knob(0.1, "longest wait for the page index before routing by "
+                                        "local hints (s)")
+    route_compute_ms: float = _knob(2.0, "routing cost of a prompt page recomputed (ms)")
+    route_host_ms: float = _knob(0.05, "routing cost of a page loaded from L2 (host) (ms)")
+    route_l3_ms: float = _knob(0.3, "routing cost of a page loaded from L3 (ms)")
+    route_queue_ms: float = _knob(25.0, "routing cost of a request in flight on the worker "
+                                        "(ms)")
 
     def __post_init__(self) -> None:
         for name in ("num_prefill", "num_decode", "threads", "decode_batch"):
             check_int_at_least(name, getattr(self, name), 1)
-        for name in ("num_storage", "balance_threshold", "storage_restarts"):
+        for name in ("num_storage", "balance_threshold", "storage_restarts", "index_shards"):
             check_int_at_least(name, getattr(self, name), 0)
         check_int_at_least("worker_restarts", self.worker_restarts, -1)
         check_bool("cache", self.cache)
@@ -112,6 +121,9 @@ class ClusterConfig:
         check_bool("decode_cache", self.decode_cache)
         check_non_negative("actor_cpus", self.actor_cpus)
         check_positive("storage_timeout_s", self.storage_timeout_s)
+        check_positive("index_timeout_s", self.index_timeout_s)
+        for name in ("route_compute_ms", "route_host_ms", "route_l3_ms", "route_queue_ms"):
+            check_non_negative(name, getattr(self, name))
         self.pd_config  # noqa: B018  (builds and so validates the worker config)
 
     @property

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from pd_cache.core.events import REMOVED, STORED, EventLog
 from pd_cache.core.stats import Stats
 from pd_cache.core.vocab import Event, Tier
 from pd_cache.kv.lru import Candidates
@@ -31,6 +32,11 @@ class Evicting:
     states: StatePool | None
     stats: Stats
     root: Node
+    journal: EventLog | None = None   # KV events of the pages entering and leaving each tier
+
+    def _log(self, stored: bool, tier: Tier, nodes: list[Node]) -> None:
+        if self.journal is not None and nodes:
+            self.journal.add(stored, tier.value, [n.name for n in nodes])
 
     def _init_candidates(self) -> None:
         self._on_device = Candidates("device_slot", self.device.capacity)
@@ -97,10 +103,12 @@ class Evicting:
             if slots:
                 self.device.copy_to(self.host, [node.device_slot], slots)
                 node.host_slot = slots[0]
+                self._log(STORED, Tier.HOST, [node])
                 self._on_host.push(node)
                 self.stats.count(Event.STORED, Tier.HOST.value)
         self.device.free([node.device_slot], OWNER)
         node.device_slot = None
+        self._log(REMOVED, Tier.DEVICE, [node])
         self.stats.count(Event.EVICTED, Tier.DEVICE.value)
         if node.host_slot is None:
             self._drop_subtree(node)
@@ -110,19 +118,22 @@ class Evicting:
     def _drop_host(self, node: Node) -> None:
         self.host.free([node.host_slot], OWNER)
         node.host_slot = None
+        self._log(REMOVED, Tier.HOST, [node])
         self.stats.count(Event.EVICTED, Tier.HOST.value)
         if node.device_slot is None:
             self._drop_subtree(node)
 
     def _drop_subtree(self, node: Node) -> None:
         """Detach ``node`` and free whatever its (unlocked, host-only) descendants hold."""
-        stack = [node]
+        stack, on = [node], {Tier.DEVICE: [], Tier.HOST: []}
         while stack:
             n = stack.pop()
             stack.extend(n.children.values())
             if n.device_slot is not None:
+                on[Tier.DEVICE].append(n)
                 self.device.free([n.device_slot], OWNER)
             if n.host_slot is not None:
+                on[Tier.HOST].append(n)
                 self.host.free([n.host_slot], OWNER)
                 self.stats.count(Event.EVICTED, Tier.HOST.value)
             if n.state_slot is not None:
@@ -130,6 +141,8 @@ class Evicting:
             n.device_slot = n.host_slot = n.state_slot = None
             n.children = {}
             n.attached = False
+        for tier, nodes in on.items():
+            self._log(REMOVED, tier, nodes)
         if node.parent is not None:
             del node.parent.children[node.name]
             self._offer(node.parent)

@@ -26,6 +26,7 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from pd_cache.core.config import WRITE_POLICIES
+from pd_cache.core.events import STORED
 from pd_cache.core.stats import Stats
 from pd_cache.core.vocab import Event
 from pd_cache.kv.base import (
@@ -235,6 +236,8 @@ class RadixCache(Evicting, PrefixCache):
             node.host_slot = host_slots[i] if i < len(host_slots) else None
             new.append(node)
         self.stats.count(Event.STORED, Tier.DEVICE.value, len(new))
+        self._log(STORED, Tier.DEVICE, new)
+        self._log(STORED, Tier.HOST, new[:len(host_slots)])
         if host_slots:
             self.stats.count(Event.STORED, Tier.HOST.value, len(host_slots))
         return new
@@ -265,6 +268,7 @@ class RadixCache(Evicting, PrefixCache):
         for n, s in zip(nodes, slots, strict=True):
             n.device_slot = s
             self._offer(n)
+        self._log(STORED, Tier.DEVICE, nodes)
 
     # -- locks ----------------------------------------------------------------------------
 
@@ -311,6 +315,16 @@ class RadixCache(Evicting, PrefixCache):
     def _check_live(self, node: Node) -> None:
         if not isinstance(node, Node) or not node.attached:
             raise ValueError("match: its node has been evicted since (stale match result)")
+
+    def held(self) -> dict[str, list[bytes]]:
+        """Every page's name by the tier holding it (a KV events snapshot)."""
+        out: dict[str, list[bytes]] = {Tier.DEVICE.value: [], Tier.HOST.value: []}
+        for n in iter_nodes(self.root):
+            if n.device_slot is not None:
+                out[Tier.DEVICE.value].append(n.name)
+            if n.host_slot is not None:
+                out[Tier.HOST.value].append(n.name)
+        return out
 
     @property
     def num_device_pages(self) -> int:

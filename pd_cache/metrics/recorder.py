@@ -67,6 +67,9 @@ class PDCacheMetrics:
         """Prompt tokens looked up in the prefix cache (found ones: ``count_cached_tokens``)."""
         self._record("pd_cache_prefix_cache_queries_tokens_total", n)
 
+    def count_index_queries(self, n: int = 1) -> None:
+        self._record("pd_cache_index_queries_total", n)
+
     def count_cached_tokens(self, tier: str, n: int) -> None:
         self._record("pd_cache_cached_tokens_total", n, tier=tier)
 

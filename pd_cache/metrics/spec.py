@@ -98,6 +98,8 @@ METRICS: tuple[MetricSpec, ...] = (
     _c("pd_cache_cached_tokens_total", ("tier",),
        "Prompt tokens found in a cache tier instead of computed (vLLM's "
        "prefix_cache_hits, by tier)."),
+    _c("pd_cache_index_queries_total", (),
+       "Queries the cluster page index answered (one per index shard a routing asks)."),
     _c("pd_cache_storage_misses_total", ("reason",),
        "L3 pages that could not be used, by reason."),
     _c("pd_cache_storage_events_total", ("backend", "event"),

@@ -1,10 +1,9 @@
 """The logic every in-process backend shares: index, bound, verification, counting.
 
-A subclass only says where a record's bytes live (:meth:`LocalBackend._write`,
-``_read``, ``_delete``, ``_footprint``; ``_write_all`` to keep a batch together). The
-index maps ``(pool, name)`` to the record's header and size, so ``exists`` and the chain
-check never touch the bytes; the eviction policy (``pd_cache.storage.eviction``) keeps the
-order in which records go: the least recently used chain first, from its tail.
+A subclass only says where a record's bytes live (:meth:`LocalBackend._write`, ``_read``,
+``_delete``, ``_footprint``; ``_write_all`` to keep a batch together). The index maps ``(pool,
+name)`` to the record's header and size, so ``exists`` and the chain check never touch the
+bytes; the eviction policy (``pd_cache.storage.eviction``) keeps the order records go in.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ from itertools import chain
 from typing import Self
 
 from pd_cache.core.config import KVLayout, StorageConfig
+from pd_cache.core.events import REMOVED, STORAGE_TIER, STORED, EventLog
 from pd_cache.core.hashing import DIGEST_SIZES
 from pd_cache.core.stats import Stats
 from pd_cache.core.vocab import Event, MissReason
@@ -27,6 +27,7 @@ from pd_cache.storage.entries import Entry, Link, Refusal, key_of, refusal_of
 from pd_cache.storage.eviction import EvictionPolicy, Slot, TailFirst
 from pd_cache.storage.record import (
     CHECKPOINT_POOLS,
+    KV_POOL,
     PageRecord,
     RecordHeader,
     check_pool_name,
@@ -35,9 +36,8 @@ from pd_cache.storage.record import (
 
 log = logging.getLogger(__name__)
 
-# NOTE: remembering recently evicted names lets a miss say "evicted" rather than
-# "not stored" (and a new page whose parent just went, that it cannot serve a hit);
-# bounded so it cannot grow with the key space.
+# NOTE: recently evicted names let a miss say "evicted", not "not stored" (and a new page
+# whose parent just went, that it cannot serve a hit); bounded, not growing with the keys.
 GHOSTS = 65536
 # NOTE: a shard holds about one page in num_shards of a chain: the nearest earlier page it
 # holds is a few names back. Past this many, a new page starts a chain of its own.
@@ -52,6 +52,7 @@ class LocalBackend(StorageBackend):
     """
 
     policy_class: type[EvictionPolicy] = TailFirst
+    journal: EventLog | None = None   # KV events of the kv pages stored and removed
 
     def __init__(self, layout: KVLayout, capacity_bytes: int, *,
                  algo: str = "xxh3_128") -> None:
@@ -159,6 +160,9 @@ class LocalBackend(StorageBackend):
     def usage(self) -> Usage:
         with self._lock:
             return Usage(len(self._index), self._used, self.capacity_bytes)
+    def held(self) -> dict[str, list[bytes]]:   # every kv page's name (a KV events snapshot)
+        with self._lock:
+            return {STORAGE_TIER: [name for pool, name in self._index if pool == KV_POOL]}
 
     # -- lookups --------------------------------------------------------------------------
     def _prefix(self, pool: str, keys: list[bytes], priors: list[bytes | None]) -> int:
@@ -224,11 +228,8 @@ class LocalBackend(StorageBackend):
                                  f"capacity_bytes={self.capacity_bytes}")
 
     def _put_all(self, b: Batch, names: list[bytes], at: int) -> list[bool]:
-        """Store ``b``'s pages; ``names[at:]`` are its keys, ``names[:at]`` the chain before.
-
-        Pages are indexed (evicting as they come) first and written together after, so a
-        backend may keep one batch in one place (:meth:`_write_all`).
-        """
+        """Store ``b``'s pages (``names[at:]``; ``names[:at]``: the chain before): indexed
+        (evicting as they come) first, written together after (:meth:`_write_all`)."""
         new: list[tuple[int, Slot, PageRecord]] = []
         acks = [self._put((b.pool, key), rec, prior, names, at, i, new)
                 for i, (key, rec, prior) in enumerate(zip(b.keys, b.pages or [], b.priors))]
@@ -315,6 +316,8 @@ class LocalBackend(StorageBackend):
         self._policy.add(slot, link.parent, orphan=link.orphan)
         self._used += size
         self._ghosts.pop(slot, None)
+        if self.journal is not None and slot[0] == KV_POOL:
+            self.journal.add(STORED, STORAGE_TIER, (slot[1],))
 
     def _evict_until(self, budget: int, keep: Container[Slot] = ()) -> None:
         """Evict tails first until at most ``budget`` bytes are held, or the next victim
@@ -334,6 +337,8 @@ class LocalBackend(StorageBackend):
         entry = self._index.pop(slot, None)
         if entry is not None:
             self._used -= entry.nbytes
+            if self.journal is not None and slot[0] == KV_POOL:
+                self.journal.add(REMOVED, STORAGE_TIER, (slot[1],))
         self._policy.remove(slot)
         self._delete(slot)
 

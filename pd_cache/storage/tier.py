@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from pd_cache.core.config import PDCacheConfig
+from pd_cache.core.events import EventLog, Held, Publisher
 from pd_cache.core.request import Req, compute_prefix_hash
 from pd_cache.core.stats import Stats
 from pd_cache.core.vocab import STORAGE_OPS, StorageOp
@@ -38,9 +39,10 @@ class StorageTier:
     """One shard of L3: the backend ``config.storage.backend`` names, for ``config.layout``."""
 
     def __init__(self, config: PDCacheConfig, shard: int = 0, *,
-                 export_stats: bool | None = None) -> None:
+                 export_stats: bool | None = None, index: Sequence[ShardName] = ()) -> None:
         """``export_stats`` (default: when inside Ray) exports the shard's counts every
-        ``config.storage.metrics_interval_s`` (see ``pd_cache.storage.exporter``)."""
+        ``config.storage.metrics_interval_s`` (see ``pd_cache.storage.exporter``);
+        ``index``: the page index's shards, which this one tells what it stores."""
         if not isinstance(config, PDCacheConfig):
             raise ValueError(f"config: expected PDCacheConfig, got {type(config).__name__}")
         if not 0 <= shard < config.storage.num_shards:
@@ -54,6 +56,9 @@ class StorageTier:
             self.exporter = StatsExporter(self.backend.stats, config.storage.backend,
                                           f"shard{shard}", config.storage.metrics_interval_s,
                                           usage=self.backend.usage, calls=self.calls).start()
+        held = getattr(self.backend, "held", None)
+        self.events = publish_events(f"storage-{shard}", self.backend, held, index) \
+            if held is not None else None
 
     def calls(self) -> dict[str, int]:
         """The calls this shard answered since it started, by op (exists, get, set)."""
@@ -151,7 +156,7 @@ def _actor_class() -> Any:
 def storage_actor(config: PDCacheConfig, name: str | None = None, *, shard: int = 0,
                   detached: bool = False, namespace: str | None = None,
                   max_restarts: int = 3, max_task_retries: int = 1,
-                  num_cpus: float = 0) -> Any:
+                  num_cpus: float = 0, index: Sequence[ShardName] = ()) -> Any:
     """A ``StorageTier`` actor handle for ``shard``.
 
     Named actors are fetched if they exist (``get_if_exists``), so every process that
@@ -171,7 +176,7 @@ def storage_actor(config: PDCacheConfig, name: str | None = None, *, shard: int 
             options["namespace"] = namespace
     if detached:
         options["lifetime"] = "detached"
-    return _actor_class().options(**options).remote(config, shard)
+    return _actor_class().options(**options).remote(config, shard, index=list(index))
 
 
 def storage_actors(config: PDCacheConfig, name: str | None = None, *, detached: bool = False,
@@ -196,3 +201,25 @@ def resolve(shards: Sequence[Any]) -> list[Any]:
 
     return [ray.get_actor(s.name, namespace=s.namespace) if isinstance(s, ShardName) else s
             for s in shards]
+
+
+SEND_TIMEOUT_S = 5.0   # an index shard that takes longer gets a snapshot next
+
+
+def publish_events(publisher: str, journaled: Any, held: Held, index: Sequence[ShardName],
+                   flush_s: float = 0.05) -> Publisher | None:
+    """Log the KV events of ``journaled`` (its ``journal``) and send them to the page
+    index's shards ``index`` every ``flush_s`` off the hot path; ``None`` without an index."""
+    if not index:
+        return None
+    journaled.journal = EventLog()
+    handles: list[Any] = [None] * len(index)
+
+    def send(shard: int, batch: Any) -> bool:
+        import ray
+
+        if handles[shard] is None:
+            handles[shard] = resolve([index[shard]])[0]
+        return ray.get(handles[shard].publish.remote(batch), timeout=SEND_TIMEOUT_S)
+
+    return Publisher(publisher, journaled.journal, len(index), send, held, flush_s).start()

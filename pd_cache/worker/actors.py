@@ -89,6 +89,13 @@ class _Hosted:
         self.keyring, self._seeds = keyring or Keyring.random(), {}
         return self.keyring
 
+    def _publish(self, index: Sequence[Any]) -> None:
+        """Tell the page index (its shards ``index``) what enters and leaves L1 and L2."""
+        from pd_cache.storage.tier import publish_events
+
+        cache = self.engine.cache
+        self.events = publish_events(f"{self.role}-{self.worker_id}", cache, cache.held, index)
+
     def _saw(self, req: Req) -> None:
         self._seeds.setdefault(req.tenant, set()).add(req.namespace_seed(self.algo))
 
@@ -115,10 +122,11 @@ class _Hosted:
 class PrefillActor(_Hosted, PrefillWorker):
     def __init__(self, config: PDCacheConfig, worker_id: int, storage_handles: Sequence[Any],
                  threads: int = 1, storage_timeout_s: float | None = 10.0,
-                 keyring: Keyring | None = None) -> None:
+                 keyring: Keyring | None = None, index: Sequence[Any] = ()) -> None:
         super().__init__(config, worker_id=worker_id, **_in_process(
             config, storage_handles, threads, storage_timeout_s, self._host(keyring)))
         self.algo = config.cache.hash_algo
+        self._publish(index)
 
     @ray.method(num_returns=3)
     def prefill(self, req: Req, kept_pages: int | list[Any] = 0,
@@ -151,10 +159,12 @@ class DecodeActor(_Hosted, DecodeWorker):
 
     def __init__(self, config: PDCacheConfig, worker_id: int, storage_handles: Sequence[Any],
                  threads: int = 1, storage_timeout_s: float | None = 10.0,
-                 max_batch: int = 1, keyring: Keyring | None = None) -> None:
+                 max_batch: int = 1, keyring: Keyring | None = None,
+                 index: Sequence[Any] = ()) -> None:
         super().__init__(config, worker_id=worker_id, max_batch=max_batch, **_in_process(
             config, storage_handles, threads, storage_timeout_s, self._host(keyring)))
         self.algo = config.cache.hash_algo
+        self._publish(index)
 
     def decode_handoff(self, req: Req, info: PrefillInfo, handoff: list[Any]) -> DecodeInfo:
         """``decode`` of the pages (and a hybrid prompt's states) ``handoff`` refers to."""
@@ -205,7 +215,7 @@ def named(name: str, namespace: str, *, detached: bool = True) -> ActorOptions:
 def prefill_actor(config: PDCacheConfig, worker_id: int, storage_handles: Sequence[Any] = (),
                   *, threads: int = 1, num_cpus: float = 0, max_restarts: int = 0,
                   storage_timeout_s: float | None = 10.0, keyring: Keyring | None = None,
-                  actor: ActorOptions | None = None) -> Any:
+                  actor: ActorOptions | None = None, index: Sequence[Any] = ()) -> Any:
     """A ``PrefillActor`` handle; ``prefill.remote(req)`` returns ``(info_ref, pages_ref,
     states_ref)`` (states: a hybrid prompt's, ``None`` when plain).
 
@@ -214,22 +224,25 @@ def prefill_actor(config: PDCacheConfig, worker_id: int, storage_handles: Sequen
     constructor's arguments). ``max_restarts`` (-1: always) brings a killed process back;
     its calls are not retried by Ray (the router retries a request elsewhere). ``actor``:
     more Ray actor options (a name, a placement resource, ...). ``keyring``: the cluster's
-    L3 keys (every worker of a cluster needs the same; ``None``: this worker's own)."""
+    L3 keys (every worker of a cluster needs the same; ``None``: this worker's own).
+    ``index``: the page index's shards (``ShardName``), told of every page in L1 and L2."""
     return _remote(PrefillActor).options(**_options(num_cpus, max_restarts, 1, actor)).remote(
-        config, worker_id, list(storage_handles), threads, storage_timeout_s, keyring)
+        config, worker_id, list(storage_handles), threads, storage_timeout_s, keyring,
+        list(index))
 
 
 def decode_actor(config: PDCacheConfig, worker_id: int, storage_handles: Sequence[Any] = (),
                  *, threads: int = 1, num_cpus: float = 0, max_restarts: int = 0,
                  storage_timeout_s: float | None = 10.0, max_batch: int = 1,
-                 keyring: Keyring | None = None, actor: ActorOptions | None = None) -> Any:
+                 keyring: Keyring | None = None, actor: ActorOptions | None = None,
+                 index: Sequence[Any] = ()) -> Any:
     """A ``DecodeActor`` handle; ``decode_handoff.remote(req, info, [pages_ref,
     states_ref])`` -> ``DecodeInfo`` (``[pages_ref]`` alone for a plain model).
 
     ``max_batch > 1``: up to that many requests decode together; the actor then takes
     more calls at once than it batches (the rest wait in the batcher's queue), as it does
-    with a decode cache (``reserve`` calls come while it decodes). Restarts, ``keyring``
-    and ``actor`` as for ``prefill_actor``.
+    with a decode cache (``reserve`` calls come while it decodes). Restarts, ``keyring``,
+    ``actor`` and ``index`` as for ``prefill_actor``.
     """
     # NOTE: a decode cache answers reservations while a decode call is running.
     serial = max_batch == 1 and not config.cache.decode_cache
@@ -237,4 +250,4 @@ def decode_actor(config: PDCacheConfig, worker_id: int, storage_handles: Sequenc
     options = _options(num_cpus, max_restarts, concurrency, actor)
     return _remote(DecodeActor).options(**options).remote(
         config, worker_id, list(storage_handles), threads, storage_timeout_s, max_batch,
-        keyring)
+        keyring, list(index))

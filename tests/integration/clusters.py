@@ -10,7 +10,7 @@ import os
 import random
 import signal
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from typing import Any
 
 from pd_cache.app.bench.runner import RunOutput, run_open_loop
@@ -21,6 +21,16 @@ from pd_cache.core.wire import Completion
 from pd_cache.model.model import Model, reference_generate
 
 _ids = itertools.count()
+
+
+def started(config: Any) -> Iterator[Any]:
+    """A module's cluster (``yield from`` in its fixture): started on the session's Ray,
+    shut down at the end checking that no worker leaked a lock or a slot."""
+    from pd_cache import PDCluster
+
+    c = PDCluster.start(config)
+    yield c
+    c.shutdown(check=True)
 
 
 def tokens(seed: int, n: int, vocab: int) -> list[int]:

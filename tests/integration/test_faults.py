@@ -25,6 +25,7 @@ from pd_cache.model.model import Model, reference_generate
 from tests.integration.clusters import (
     assert_idle,
     expected,
+    started,
     stream_killing_decode,
     wait_healthy,
 )
@@ -39,9 +40,7 @@ VOCAB = CONFIG.pd_config.model.vocab_size
 
 @pytest.fixture(scope="module")
 def cluster(ray_cluster: Any) -> Iterator[PDCluster]:
-    c = PDCluster.start(CONFIG)
-    yield c
-    c.shutdown(check=True)
+    yield from started(CONFIG)
 
 
 @pytest.fixture(scope="module")

@@ -42,6 +42,7 @@ class MetricsProbe:
         m.observe_prefetch(3, 3 * 4096, 0.004)
         m.observe_backup(1, 4096, 0.002, outcome="short")
         m.count_prefix_queries(80)
+        m.count_index_queries(2)   # the page index, asked by two routings
         m.observe_e2e(0.4)
         m.observe_queue(0.001)
         m.observe_handoff(5, 5 * 4096, 0.0008)
@@ -118,6 +119,7 @@ def expected() -> Samples:
         key("pd_cache_prefetch_seconds_count", backend="memory", outcome="ok"): 1,
         key("pd_cache_backup_bytes_total", backend="memory", outcome="short"): 4096,
         key("pd_cache_prefix_cache_queries_tokens_total"): 80,
+        key("pd_cache_index_queries_total"): 2,
         key("pd_cache_e2e_seconds_count"): 1,
         key("pd_cache_queue_seconds_count", role="decode"): 1,
         key("pd_cache_handoff_pages_total"): 5,

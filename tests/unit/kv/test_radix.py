@@ -16,6 +16,7 @@ from hypothesis.stateful import (
 )
 
 from pd_cache.core.config import WRITE_POLICIES, KVLayout
+from pd_cache.core.events import EventLog
 from pd_cache.core.vocab import Event, Tier
 from pd_cache.kv import OWNER, CacheInvariantError, CacheKey, MatchResult, PagePool, RadixCache
 
@@ -307,7 +308,8 @@ class RadixMachine(RuleBasedStateMachine):
     The model is the set of page-aligned ``(namespace, prefix)`` ever inserted, plus the
     locks held. Whatever the cache evicts, a hit must be a prefix inserted in the same
     namespace with that prefix's own data; a lock keeps its pages in their tier or a
-    faster one; and tree, pools and lock counts agree after every step.
+    faster one; and tree, pools and lock counts agree after every step. Its KV events,
+    replayed in order, give what each tier holds after every step.
     """
 
     @initialize(policy=st.sampled_from(WRITE_POLICIES), device=st.integers(0, 6),
@@ -316,6 +318,8 @@ class RadixMachine(RuleBasedStateMachine):
         self.cache = make_cache(device, host, policy)
         self.inserted: set[tuple[str | None, tuple[int, ...]]] = set()
         self.locks: list[tuple[MatchResult, list[bool]]] = []
+        self.cache.journal = EventLog()
+        self.replayed: dict[str, set[bytes]] = {"device": set(), "host": set()}
 
     keys = Bundle("keys")
 
@@ -371,6 +375,10 @@ class RadixMachine(RuleBasedStateMachine):
         assert self.cache.num_locks == len(self.locks)
         assert self.cache.num_device_pages == self.cache.device.used
         assert self.cache.num_host_pages == self.cache.host.used
+        for stored, tier, names in self.cache.journal.drain():
+            (self.replayed[tier].update if stored else self.replayed[tier].difference_update)(
+                names)
+        assert self.replayed == {t: set(n) for t, n in self.cache.held().items()}
         for m, on_device in self.locks:
             now = self.cache.refresh(m)
             assert m.node.attached and now.num_pages == m.num_pages

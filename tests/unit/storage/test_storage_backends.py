@@ -596,3 +596,32 @@ def test_sha256_names(make_store: Factory) -> None:
     assert store.batch_exists([n.hex() for n in names]) == 2
     with pytest.raises(ValueError, match="expected 32"):
         store.batch_exists([n[:16] for n in names])
+
+
+def test_kv_events_replayed_give_what_the_store_holds(make_store: Factory) -> None:
+    """Stored, evicted (tails first, past capacity), discarded and cleared pages each reach
+    the journal, in order: replayed, they are exactly the kv names the store holds."""
+    from pd_cache.core.events import EventLog
+    from pd_cache.storage import PoolTransfer
+
+    layout = layout_for()
+    chain = Chain(layout, 12)
+    store = make_store(layout, capacity=5 * layout.page_nbytes + 4096)
+    store.journal = EventLog()
+    held: set[bytes] = set()
+
+    def replay() -> set[bytes]:
+        for stored, tier, names in store.journal.drain():
+            assert tier == "storage"
+            (held.update if stored else held.difference_update)(names)
+        return held
+
+    for lo in range(0, 12, 4):
+        store.batch_set_v2([PoolTransfer("kv", chain.names[lo:lo + 4],
+                                         chain.records[lo:lo + 4])])
+        assert replay() == set(store.held()["storage"])
+    assert 0 < len(held) < 12                        # the bound evicted some
+    store.discard_v2("kv", [next(iter(held))])
+    assert replay() == set(store.held()["storage"])
+    store.clear()
+    assert replay() == set() == set(store.held()["storage"])

@@ -1,0 +1,114 @@
+"""Routing prefill from the cluster page index, with the router's own hints as fallback.
+
+Every front (ingress replica) asks the same index (``pd_cache.cluster.index``), so two
+replicas route as one would. For each live prefill worker ``w`` the cost of serving a
+prompt of ``N`` full pages, of which ``w`` holds ``d`` on device and ``h`` on host and L3
+holds the first ``L``::
+
+    l3(w)   = max(0, L - d - h)                 pages L3 adds after w's own
+    cost(w) = compute_ms x (N - d - h - l3(w))  recomputed
+            + host_ms x h + l3_ms x l3(w)       loaded (device pages cost nothing)
+            + queue_ms x in_flight(w)           its queue (this front's count)
+
+The least cost wins (then the least loaded, then the lowest id). An index that does not
+answer within ``index_timeout_s`` (dead, restarting, slow) leaves the choice to the local
+hints (``PrefixRouter.pick``), which every front keeps as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from pd_cache.cluster.index import ShardView, answer, locate
+from pd_cache.cluster.router import PrefixRouter, Route
+from pd_cache.core.cluster_config import ClusterConfig
+from pd_cache.core.events import IndexAnswer
+
+
+class RouteWeights(NamedTuple):
+    compute_ms: float
+    host_ms: float
+    l3_ms: float
+    queue_ms: float
+
+    @classmethod
+    def of(cls, config: ClusterConfig) -> RouteWeights:
+        return cls(config.route_compute_ms, config.route_host_ms, config.route_l3_ms,
+                   config.route_queue_ms)
+
+
+class IndexRoute(NamedTuple):
+    """The chosen worker, its cached pages, and the leading pages L3 holds (``None``: the
+    index did not answer)."""
+
+    worker: int
+    matched_pages: int
+    l3_pages: int | None
+
+
+def cost(found: IndexAnswer, publisher: str, num_pages: int, load: int,
+         w: RouteWeights) -> float:
+    """The module docstring's ``cost(w)`` of ``publisher`` (e.g. ``prefill-0``)."""
+    hit = found.workers.get(publisher)
+    device, host = (hit.device, hit.host) if hit is not None else (0, 0)
+    l3 = max(0, found.l3_pages - device - host)
+    recompute = max(0, num_pages - device - host - l3)
+    return w.compute_ms * recompute + w.host_ms * host + w.l3_ms * l3 + w.queue_ms * load
+
+
+def pick(found: IndexAnswer, role: str, num_pages: int, loads: Sequence[int],
+         live: Sequence[int], w: RouteWeights) -> Route:
+    """The live worker of least cost; its cached pages as the index has them."""
+    best = min(live, key=lambda k: (cost(found, f"{role}-{k}", num_pages, loads[k], w),
+                                    loads[k], k))
+    hit = found.workers.get(f"{role}-{best}")
+    return Route(best, hit.pages if hit is not None else 0)
+
+
+class IndexClient:
+    """Asks the index shards about a request's names, within a deadline."""
+
+    def __init__(self, shards: Sequence[Any], timeout_s: float) -> None:
+        self.shards, self.timeout_s = list(shards), timeout_s
+
+    async def lookup(self, names: Sequence[bytes]) -> IndexAnswer | None:
+        """The index's answer, or ``None`` if any shard did not answer in time."""
+        n = len(self.shards)
+        asked, where = locate(names, n)
+        calls = [asyncio.wrap_future(self.shards[k].query.remote(asked[k]).future())
+                 if asked[k] else _empty() for k in range(n)]
+        try:
+            views = await asyncio.wait_for(asyncio.gather(*calls), self.timeout_s)
+        except Exception:  # noqa: BLE001 - dead, restarting or slow: local hints instead
+            return None
+        return answer([ShardView(*v) for v in views], where)
+
+
+async def _empty() -> ShardView:
+    return ShardView([], [])
+
+
+class IndexRouting:
+    """The prefill choice of ``PDCluster`` (a mixin: its state lives there)."""
+
+    config: ClusterConfig
+    prefill_router: PrefixRouter
+    index: IndexClient | None
+    routed = collections.Counter[str]()   # by "index" / "hints" (replaced per cluster)
+
+    async def _route_prefill(self, names: Sequence[bytes],
+                             failed: Sequence[int] = ()) -> IndexRoute:
+        """By the index if it answers, else by this front's hints."""
+        live = self.prefill_router.live(failed)
+        found = await self.index.lookup(names) if self.index is not None and names else None
+        if found is None:
+            self.routed["hints"] += 1
+            route = self.prefill_router.pick(names, failed)
+            return IndexRoute(route.worker, route.matched_pages, None)
+        self.routed["index"] += 1
+        route = pick(found, "prefill", len(names), self.prefill_router.loads, live,
+                     RouteWeights.of(self.config))
+        return IndexRoute(route.worker, route.matched_pages, found.l3_pages)

@@ -1,0 +1,112 @@
+"""The cluster page index on a real PD cluster: KV events from every worker and L3 shard,
+routing from it shared by two fronts, and its faults (the index killed under load, a worker
+restarted).
+
+Central checks: every answer is the no-cache model's, no request fails, and every slot and
+lock is back with the cache once a scenario ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from pd_cache import ClusterConfig, PDCluster, Req
+from pd_cache.core.events import IndexAnswer
+from pd_cache.model.model import Model
+from tests.integration.clusters import assert_idle, expected, started, wait_healthy
+
+ray = pytest.importorskip("ray")
+
+PS = 4
+CONFIG = ClusterConfig(num_prefill=2, num_decode=1, num_storage=1, model="tiny", page_size=PS,
+                       device_pages=64, host_pages=128, storage_timeout_s=5.0,
+                       index_shards=1, index_timeout_s=0.5)
+VOCAB = CONFIG.pd_config.model.vocab_size
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_cluster: Any) -> Iterator[PDCluster]:
+    yield from started(CONFIG)
+
+
+def prompt_reqs(seed: int, n: int, system: int = 32, own: int = 9) -> list[Req]:
+    rng = random.Random(seed)
+    head = [rng.randrange(VOCAB) for _ in range(system)]
+    return [Req(rid=f"i{seed}-{i}", input_ids=head + [rng.randrange(VOCAB) for _ in range(own)],
+                cache_salt="t", max_new_tokens=4) for i in range(n)]
+
+
+def until(check: Any, what: str, timeout_s: float = 20.0) -> Any:
+    """A bounded poll: ``check()`` until it returns something true."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        got = check()
+        if got:
+            return got
+        time.sleep(0.1)
+    raise AssertionError(f"never: {what}")
+
+
+def lookup(front: PDCluster, req: Req) -> IndexAnswer | None:
+    assert front.index is not None
+    return asyncio.run(front.index.lookup(front.router_names(req)))
+
+
+def test_index_routes_two_fronts_alike_survives_its_kill_and_drops_a_restarted_worker(
+        cluster: PDCluster) -> None:
+    model = Model(CONFIG.pd_config.model)
+    first = prompt_reqs(1, 1)[0]
+    full = len(first.input_ids) // PS
+    assert cluster.generate(first, prefill_worker=1).output_ids == expected(model, first)
+    cluster.flush()
+    # 1. every tier's events arrive: prefill-1 holds the prompt on device, L3 all of it
+    seen = until(lambda: (a := lookup(cluster, first)) and a.l3_pages == full
+                 and a.workers.get("prefill-1", None) and a, "the index learns the prompt")
+    assert seen.workers["prefill-1"].device == full
+    assert seen.workers.get("decode-0") and "prefill-0" not in seen.workers
+    # 2. a second front, no hints of its own, routes a request of that prefix to worker 1
+    second = PDCluster(CONFIG, cluster.prefill, cluster.decode, cluster.storage,
+                       cluster.index_actors)
+    follow = prompt_reqs(1, 2)[1]
+    assert second.prefill_router.pick(second.router_names(follow)).worker == 0   # hints alone
+    out = second.generate(follow)
+    assert out.prefill_worker == 1 and out.cached_tokens["device"] >= 32
+    assert out.output_ids == expected(model, follow) and second.routed["index"] == 1
+    # 3. kill -9 the index under load: routing falls back, nothing fails, it is rebuilt
+    victim = cluster.index_actors[0]
+    pid = ray.get(victim.pid.remote())
+    reqs = prompt_reqs(2, 8) + prompt_reqs(3, 16)
+
+    async def run() -> list[Any]:
+        early = [asyncio.ensure_future(cluster.generate_async(r)) for r in reqs[:8]]
+        await asyncio.sleep(0)
+        os.kill(pid, signal.SIGKILL)
+        late = [asyncio.ensure_future(cluster.generate_async(r)) for r in reqs[8:]]
+        return await asyncio.wait_for(asyncio.gather(*early, *late), 120)
+
+    hints = cluster.routed["hints"]
+    outs = asyncio.run(run())
+    assert [o.output_ids for o in outs] == [expected(model, r) for r in reqs]
+    assert cluster.routed["hints"] > hints                          # fell back meanwhile
+    assert ray.get(victim.pid.remote()) != pid                        # a new, empty index
+    until(lambda: (a := lookup(cluster, first)) and a.l3_pages == full
+          and a.workers.get("prefill-1") and a.workers.get("decode-0"),
+          "the index rebuilt from snapshots")
+    stats = ray.get(victim.stats.remote())
+    assert {"prefill-0", "prefill-1", "decode-0", "storage-0"} <= set(stats["publishers"])
+    # 4. a restarted worker's entries go with its old epoch
+    worker_pid = ray.get(cluster.prefill[1].pid.remote())
+    os.kill(worker_pid, signal.SIGKILL)
+    wait_healthy(cluster, "prefill", 1)
+    until(lambda: (a := lookup(cluster, first)) and "prefill-1" not in a.workers
+          and a.l3_pages == full, "prefill-1's old entries dropped")
+    cluster.flush()
+    assert_idle(cluster)
