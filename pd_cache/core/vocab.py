@@ -34,6 +34,7 @@ class MissReason(str, Enum):
     CROSS_NAMESPACE = "cross_namespace"   # produced under another namespace seed: refused
     DISK_FULL = "disk_full"   # refused: storing it would eat the disk's free-space reserve
     KEY_RETIRED = "key_retired"   # sealed under a retired (or purged tenant's) key
+    QUOTA = "quota"   # refused: its tenant's L3 quota is full of pages that may not go
 
 
 class Event(str, Enum):
