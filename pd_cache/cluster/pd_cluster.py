@@ -55,6 +55,7 @@ class PDCluster(DecodeRouting, ClusterOperations):
                  storage: Sequence[Any]) -> None:
         self.config, self.pd = config, config.pd_config
         self.prefill, self.decode, self.storage = list(prefill), list(decode), list(storage)
+        self._owners: dict[str, bytes] = {}
         capacity = self.pd.cache.device_pages + self.pd.cache.host_pages
         self.prefill_router = PrefixRouter(len(self.prefill), capacity, config.balance_threshold)
         self.decode_router = PrefixRouter(len(self.decode),

@@ -91,6 +91,7 @@ def test_every_instrument_is_served_over_http(served):
     metrics.count_tenant_tokens("acme", "prompt", 30)
     metrics.count_tenant_cached_tokens("acme", 16)
     metrics.count_rate_limited("acme")
+    metrics.set_tenant_l3_bytes("acme", 5 << 20)
 
     got = scrape(url)
     names = {name for name, _ in got}
@@ -138,6 +139,7 @@ def test_every_instrument_is_served_over_http(served):
     assert value(got, "pd_cache_tenant_tokens_total", tenant="acme", token_kind="prompt") == 30
     assert value(got, "pd_cache_tenant_cached_tokens_total", tenant="acme") == 16
     assert value(got, "pd_cache_tenant_rate_limited_total", tenant="acme") == 1
+    assert value(got, "pd_cache_tenant_l3_bytes", tenant="acme") == 5 << 20
 
 
 @pytest.mark.parametrize("call, named", [
@@ -173,7 +175,8 @@ def test_vocabularies_are_fixed_and_names_follow_the_convention():
     assert VOCABULARIES["reason"] == tuple(r.value for r in MissReason)
     assert set(VOCABULARIES["reason"]) == {"not_stored", "evicted", "verification_failed",
                                            "namespace_refused", "timeout", "storage_error",
-                                           "cross_namespace", "disk_full", "key_retired"}
+                                           "cross_namespace", "disk_full", "key_retired",
+                                           "quota"}
     suffix = {"counter": ("_total",), "histogram": ("_seconds",),
               "gauge": ("_pages", "_bytes")}
     for spec in METRICS:
