@@ -10,13 +10,20 @@ them. A purge forgets a tenant::
 
 A retirement does 1, 2 for every older key version, and 4 for their records.
 
+Quotas (``set_quotas``) reach the shards the same way, by owner label: a tenant's L3 quota
+is split evenly, each shard holding at most ``quota // shards`` of its bytes (pages spread
+over shards by name, so a tenant fills its shares about evenly).
+
 NOTE: the state lives in this process and in the workers: a worker that restarts comes
 back with the keys it was started with, and a cluster attached by name starts from the
-first state; push the state again (``set_keys``) after either.
+first state; push the state again (``set_keys``) after either. So with quotas: a restarted
+shard has none until ``set_quotas`` runs again (the server pushes them every metrics
+interval).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 from pd_cache.core.sealing import KeyState
@@ -39,6 +46,7 @@ class ClusterKeys:
     """Key operations of a ``PDCluster`` (mixed in through ``ClusterOperations``)."""
 
     keys: KeyState = KeyState()
+    _owners: dict[str, bytes]   # tenant -> owner label, learnt from a worker once
     prefill: list[Any]
     decode: list[Any]
     storage: list[Any]
@@ -75,5 +83,39 @@ class ClusterKeys:
         self.flush()
         self.set_keys(self.keys.purged(tenant))
         pages = sum(ray.get([a.forget_tenant.remote(tenant) for a in workers]))
-        owners = ray.get(workers[0].owner.remote(tenant)) if workers else b""
-        return Reclaim(pages, [s.reclaim.remote([owners], 0) for s in self.storage])
+        owners = list(self.owners([tenant]).values())
+        return Reclaim(pages, [s.reclaim.remote(owners, 0) for s in self.storage])
+
+    def owners(self, tenants: Iterable[str]) -> dict[str, bytes]:
+        """Each tenant's owner label on sealed records, as the workers' keyring derives it
+        (a shard knows tenants by it only); none without workers."""
+        import ray
+
+        todo = [t for t in dict.fromkeys(tenants) if t not in self._owners]
+        if todo and self.prefill + self.decode:
+            worker = (self.prefill + self.decode)[0]
+            self._owners.update(zip(todo, ray.get([worker.owner.remote(t) for t in todo])))
+        return {t: self._owners[t] for t in tenants if t in self._owners}
+
+    def set_quotas(self, quotas: Mapping[str, int]) -> None:
+        """Each tenant's L3 quota in bytes, over every shard (see the module docstring); a
+        tenant left out has none and shares what the quotas leave. Replaces the last call's."""
+        import ray
+
+        for tenant, quota in quotas.items():
+            if not isinstance(tenant, str) or isinstance(quota, bool) \
+                    or not isinstance(quota, int) or quota < 0:
+                raise ValueError(f"quotas[{tenant!r}]: expected a tenant name and an int "
+                                 f">= 0, got {quota!r}")
+        shards = max(1, len(self.storage))
+        owners = self.owners(quotas)
+        share = {owners[t]: q // shards for t, q in quotas.items() if t in owners}
+        ray.get([s.set_quotas.remote(share) for s in self.storage])
+
+    def tenant_l3_bytes(self, tenants: Iterable[str]) -> dict[str, int]:
+        """L3 bytes each of ``tenants`` holds now, summed over the shards."""
+        import ray
+
+        owners = self.owners(tenants)
+        held = ray.get([s.owner_bytes.remote() for s in self.storage])
+        return {t: sum(h.get(o, 0) for h in held) for t, o in owners.items()}

@@ -60,6 +60,7 @@ class PDCluster(IndexRouting, DecodeRouting, ClusterOperations):
         self.prefill, self.decode, self.storage = list(prefill), list(decode), list(storage)
         self.index_actors, self.routed = list(index), collections.Counter[str]()
         self.index = IndexClient(index, config.index_timeout_s) if index else None
+        self._owners: dict[str, bytes] = {}
         capacity = self.pd.cache.device_pages + self.pd.cache.host_pages
         self.prefill_router = PrefixRouter(len(self.prefill), capacity, config.balance_threshold)
         self.decode_router = PrefixRouter(len(self.decode),

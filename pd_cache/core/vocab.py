@@ -35,6 +35,7 @@ class MissReason(str, Enum):
     DISK_FULL = "disk_full"   # refused: storing it would eat the disk's free-space reserve
     KEY_RETIRED = "key_retired"   # sealed under a retired (or purged tenant's) key
     STALE_INDEX = "stale_index"   # a page index said L3 held it; the shard no longer did
+    QUOTA = "quota"   # refused: its tenant's L3 quota is full of pages that may not go
 
 
 class Event(str, Enum):

@@ -34,7 +34,8 @@ class KeyRate(NamedTuple):
 
 
 class TenantLimits(NamedTuple):
-    """A tenant's quotas (bytes); ``None`` is none. Parsed and kept, not yet enforced."""
+    """A tenant's quotas (bytes); ``None`` is none. ``l3_quota_bytes`` is enforced by the
+    L3 shards (``front.guard.TenantL3`` pushes it); ``max_pinned_bytes`` not yet."""
 
     l3_quota_bytes: int | None = None
     max_pinned_bytes: int | None = None

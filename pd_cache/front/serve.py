@@ -48,7 +48,7 @@ from pd_cache.front import openai
 from pd_cache.front.admin import keys_call, purged_tenant
 from pd_cache.front.app_args import AppArgs, IngressConfig
 from pd_cache.front.flow import Admission, Place, primed, unavailable
-from pd_cache.front.guard import TenantGuard
+from pd_cache.front.guard import TenantGuard, TenantL3
 from pd_cache.front.hf_tokenizer import tokenizer_for
 from pd_cache.front.http import HTTPError, check_rid, decode_json, read_body, value_error
 from pd_cache.front.memory import IdleTrim, malloc_trim
@@ -93,6 +93,9 @@ class PDCacheIngress:
         secret = self.tenants.secret if self.tenants is not None else None
         self.cluster = PDCluster.start(args.cluster, name=args.ingress.cluster_name,
                                        secret=secret)
+        self.tenant_l3 = None if self.tenants is None or not self.cluster.storage else \
+            TenantL3(self.cluster, self.tenants, self.guard.metrics,
+                     args.cluster.metrics_interval_s).start()   # quotas, bytes held
         self.model = args.cluster.model
         # NOTE: a checkpoint's own tokenizer and chat template; the byte one for presets.
         self.tokenizer = tokenizer_for(self.cluster.pd.model)

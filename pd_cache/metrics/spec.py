@@ -148,6 +148,8 @@ METRICS: tuple[MetricSpec, ...] = (
        "Prompt tokens of a key file's tenant found in a cache tier (its own reuse only)."),
     _c("pd_cache_tenant_rate_limited_total", ("tenant",),
        "Requests of a key file's tenant refused (429) by its key's rate limits."),
+    _g("pd_cache_tenant_l3_bytes", ("tenant",),
+       "L3 bytes a key file's tenant holds, over every shard (its quota bounds it)."),
 )
 METRIC_NAMES: dict[str, MetricSpec] = {spec.name: spec for spec in METRICS}
 RAY_PREFIX = "ray_"

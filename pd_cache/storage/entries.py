@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import errno
+from collections.abc import Container, Iterable
+from itertools import chain
 from typing import NamedTuple
 
 from pd_cache.core.vocab import MissReason
@@ -33,6 +35,22 @@ class Link(NamedTuple):
 
     parent: Slot
     orphan: bool
+
+
+def link_of(pool: str, prior: bytes, earlier: Iterable[bytes], stored: Container[Slot],
+            gone: Container[Slot]) -> Link:
+    """The ``stored`` (or just evicted: ``gone``) page a new one hangs from in its chain:
+    its prior, else the nearest of ``earlier`` (a shard's view of a chain has gaps)."""
+    for name in chain((prior,), earlier):
+        slot = (pool, name)
+        if slot in stored or slot in gone:
+            return Link(slot, slot not in stored)
+    return Link((pool, prior), False)
+
+
+def owner_of(header: RecordHeader) -> bytes | None:
+    """The owner label a record was sealed for (``None``: not sealed, no quota)."""
+    return None if header.seal is None else header.seal.owner
 
 
 def key_of(header: RecordHeader) -> tuple[int, int, bytes] | None:

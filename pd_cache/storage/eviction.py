@@ -16,15 +16,29 @@ whenever a page after it was (touching a page touches its ancestors, without wal
 them): the chain touched least recently loses its tail first and, page by page, the rest.
 Leaves wait in a heap ordered by tick; an entry that went stale (the page was touched
 again, got a child or left) is dropped when it reaches the top.
+
+Quotas (:class:`Shares`): each sealed record carries its tenant's opaque owner label, and
+each owner's pages keep an order of their own (one ``TailFirst`` each, on one clock)::
+
+    victim = a tail of an owner over its quota          (it loses its own pages first)
+          or the oldest tail among owners without one   (they share the rest, as before)
+          or the oldest tail of any owner               (only if quotas exceed the bound)
+
+so an owner within its quota loses no page to another's writes, and a writer over its
+quota loses its own tails (:meth:`Shares.excess`), or its new page when nothing else of
+it may go.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 from abc import ABC, abstractmethod
 from collections import Counter
+from collections.abc import Callable, Iterable
 
 Slot = tuple[str, bytes]  # (pool, page name)
+Owner = bytes | None      # a sealed record's owner label; ``None``: unsealed (no quota)
 
 
 class EvictionPolicy(ABC):
@@ -51,6 +65,11 @@ class EvictionPolicy(ABC):
     def victim(self) -> Slot | None:
         """The slot to evict next, without removing it; ``None`` when nothing is stored."""
 
+    def rank(self, slot: Slot) -> int:
+        """``slot``'s place in the order (lower goes first); comparable between policies
+        that share a clock."""
+        return 0
+
 
 class TailFirst(EvictionPolicy):
     """Least recently used chain first, each chain from its last stored page back.
@@ -58,8 +77,8 @@ class TailFirst(EvictionPolicy):
     ``add``, ``touch`` and ``remove`` cost O(log n), ``victim`` O(log n) amortized.
     """
 
-    def __init__(self) -> None:
-        self._clock = 0
+    def __init__(self, clock: Callable[[], int] | None = None) -> None:
+        self._clock = clock or itertools.count(1).__next__
         self._ticks: dict[Slot, int] = {}
         self._parent: dict[Slot, Slot] = {}
         self._children: Counter[Slot] = Counter()  # stored pages hanging from a slot
@@ -98,9 +117,11 @@ class TailFirst(EvictionPolicy):
             heapq.heappop(self._leaves)
         return None
 
+    def rank(self, slot: Slot) -> int:
+        return self._ticks[slot]
+
     def _tick(self) -> int:
-        self._clock += 1
-        return self._clock
+        return self._clock()
 
     def _offer(self, slot: Slot) -> None:
         if slot in self._children:
@@ -113,3 +134,71 @@ class TailFirst(EvictionPolicy):
         """Drop stale heap entries (each touch of a leaf leaves one behind)."""
         self._leaves = [(t, s) for s, t in self._ticks.items() if s not in self._children]
         heapq.heapify(self._leaves)
+
+
+class Shares(EvictionPolicy):
+    """Tails first per owner label, within each owner's quota (see the module docstring).
+
+    ``held``: bytes stored per owner; ``quotas``: bytes per owner label (absent: none).
+    """
+
+    def __init__(self) -> None:
+        self._clock = itertools.count(1).__next__
+        self._policies: dict[Owner, TailFirst] = {}
+        self._slots: dict[Slot, tuple[Owner, int]] = {}
+        self.held: Counter[Owner] = Counter()
+        self.quotas: dict[bytes, int] = {}
+
+    def add(self, slot: Slot, parent: Slot, *, orphan: bool = False, owner: Owner = None,
+            nbytes: int = 0) -> None:
+        """As :meth:`EvictionPolicy.add`, for a record of ``nbytes`` sealed by ``owner``."""
+        self.remove(slot)
+        policy = self._policies.get(owner)
+        if policy is None:
+            policy = self._policies[owner] = TailFirst(self._clock)
+        policy.add(slot, parent, orphan=orphan)
+        self._slots[slot] = (owner, nbytes)
+        self.held[owner] += nbytes
+
+    def touch(self, slot: Slot) -> None:
+        if slot in self._slots:
+            self._policies[self._slots[slot][0]].touch(slot)
+
+    def remove(self, slot: Slot) -> None:
+        owner, nbytes = self._slots.pop(slot, (None, -1))
+        if nbytes >= 0:
+            self._policies[owner].remove(slot)
+            self.held[owner] -= nbytes
+
+    def victim(self) -> Slot | None:
+        return self.excess() or self._oldest(o for o in self._policies
+                                             if self.quota(o) is None) \
+            or self._oldest(self._policies)
+
+    def rank(self, slot: Slot) -> int:
+        return self._policies[self._slots[slot][0]].rank(slot)
+
+    def owner(self, slot: Slot) -> Owner:
+        return self._slots[slot][0]
+
+    def quota(self, owner: Owner) -> int | None:
+        return None if owner is None else self.quotas.get(owner)
+
+    def over(self, owner: Owner) -> bool:
+        """Whether ``owner`` holds more than its quota."""
+        quota = self.quota(owner)
+        return quota is not None and self.held[owner] > quota
+
+    def excess(self, owner: Owner = None) -> Slot | None:
+        """The next tail of ``owner`` (``None``: of any owner) over its quota, if any
+        (unsealed records have no quota)."""
+        for o in self._policies if owner is None else (owner,):
+            if self.over(o) and (slot := self._policies[o].victim()) is not None:
+                return slot
+        return None
+
+    def _oldest(self, owners: Iterable[Owner]) -> Slot | None:
+        """The victim ranked first among ``owners``' own ones."""
+        tails = [(p.rank(s), s) for p in map(self._policies.__getitem__, owners)
+                 if (s := p.victim()) is not None]
+        return min(tails)[1] if tails else None

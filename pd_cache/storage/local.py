@@ -12,8 +12,7 @@ import logging
 import threading
 from abc import abstractmethod
 from collections import OrderedDict
-from collections.abc import Container, Iterable, Sequence
-from itertools import chain
+from collections.abc import Container, Sequence
 from typing import Self
 
 from pd_cache.core.config import KVLayout, StorageConfig
@@ -23,8 +22,9 @@ from pd_cache.core.stats import Stats
 from pd_cache.core.vocab import Event, MissReason
 from pd_cache.storage.base import ExtraInfo, PoolHits, PoolTransfer, StorageBackend, Usage
 from pd_cache.storage.batch import Batch, check_batch, normalize_keys, usable_hits
-from pd_cache.storage.entries import Entry, Link, Refusal, key_of, refusal_of
-from pd_cache.storage.eviction import EvictionPolicy, Slot, TailFirst
+from pd_cache.storage.entries import Entry, Link, Refusal, key_of, link_of, owner_of, refusal_of
+from pd_cache.storage.eviction import Shares, Slot
+from pd_cache.storage.owners import OwnerShares
 from pd_cache.storage.record import (
     CHECKPOINT_POOLS,
     KV_POOL,
@@ -44,14 +44,13 @@ GHOSTS = 65536
 LINK_SCAN = 64
 
 
-class LocalBackend(StorageBackend):
+class LocalBackend(OwnerShares, StorageBackend):
     """A bounded, verified store of page records for one layout and hash algo.
 
-    Full, it evicts chain tails first (:class:`~pd_cache.storage.eviction.TailFirst`;
-    ``policy_class`` names another :class:`EvictionPolicy`).
+    Full, it evicts chain tails first, within each owner's quota
+    (:class:`~pd_cache.storage.eviction.Shares`).
     """
 
-    policy_class: type[EvictionPolicy] = TailFirst
     journal: EventLog | None = None   # KV events of the kv pages stored and removed
 
     def __init__(self, layout: KVLayout, capacity_bytes: int, *,
@@ -63,7 +62,7 @@ class LocalBackend(StorageBackend):
             raise ValueError(f"algo: unknown hash algorithm {algo!r}")
         self.layout, self.algo, self.capacity_bytes = layout, algo, capacity_bytes
         self._index: dict[Slot, Entry] = {}
-        self._policy = self.policy_class()
+        self._policy = Shares()
         self._ghosts: OrderedDict[Slot, MissReason] = OrderedDict()   # why each one went
         self._warned: set[MissReason] = set()
         self._used = 0
@@ -142,16 +141,6 @@ class LocalBackend(StorageBackend):
             for slot in gone:
                 self._remove(slot)
                 self._stats.count(Event.VERIFICATION_FAILED)
-        return len(gone)
-
-    def reclaim(self, owners: Container[bytes] = (), below: int = 0) -> int:
-        """Delete every sealed record of one of ``owners`` (purged tenants) or sealed under
-        a key version below ``below`` (retired); how many. Not eviction: not counted."""
-        with self._lock:
-            gone = [slot for slot, e in self._index.items() if e.header.seal is not None
-                    and (e.header.seal.owner in owners or e.header.seal.version < below)]
-            for slot in gone:
-                self._remove(slot)
         return len(gone)
 
     def stats(self) -> dict[str, int]:
@@ -295,25 +284,20 @@ class LocalBackend(StorageBackend):
         lo = here if prior is None else max(0, here - LINK_SCAN)
         earlier = (names[j] for j in range(here - 1, lo - 1, -1))
         self._index_add(slot, record.header, self._footprint(record),
-                        self._link(slot[0], record.header.prior, earlier))
+                        link_of(slot[0], record.header.prior, earlier, self._index,
+                                self._ghosts))
+        if not self._fit_quota(slot):
+            return False
         new.append((i, slot, record))
         self._evict_until(self.capacity_bytes)  # maybe the page itself
         return True
-
-    def _link(self, pool: str, prior: bytes, earlier: Iterable[bytes]) -> Link:
-        """The stored (or just evicted) page a new one hangs from in its chain: its prior,
-        else the nearest of ``earlier`` (a shard's view of a chain has gaps)."""
-        for name in chain((prior,), earlier):
-            slot = (pool, name)
-            if slot in self._index or slot in self._ghosts:
-                return Link(slot, slot not in self._index)
-        return Link((pool, prior), False)
 
     def _index_add(self, slot: Slot, header: RecordHeader, size: int,
                    link: Link | None = None) -> None:
         link = link or Link((slot[0], header.prior), False)
         self._index[slot] = Entry(header, size)
-        self._policy.add(slot, link.parent, orphan=link.orphan)
+        self._policy.add(slot, link.parent, orphan=link.orphan, owner=owner_of(header),
+                         nbytes=size)
         self._used += size
         self._ghosts.pop(slot, None)
         if self.journal is not None and slot[0] == KV_POOL:
@@ -324,9 +308,12 @@ class LocalBackend(StorageBackend):
         is one of ``keep`` (or there is none)."""
         while self._used > budget and (slot := self._policy.victim()) is not None \
                 and slot not in keep:
-            self._remove(slot)
-            self._ghost(slot, MissReason.EVICTED)
-            self._stats.count(Event.EVICTED)
+            self._evict(slot)
+
+    def _evict(self, slot: Slot) -> None:
+        self._remove(slot)
+        self._ghost(slot, MissReason.EVICTED)
+        self._stats.count(Event.EVICTED)
 
     def _ghost(self, slot: Slot, reason: MissReason) -> None:
         self._ghosts[slot] = reason

@@ -14,7 +14,7 @@ import functools
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 from pd_cache.core.config import PDCacheConfig
@@ -96,6 +96,17 @@ class StorageTier:
                      extra_info: ExtraInfo | None = None) -> list[list[bool]]:
         self._calls.count(StorageOp.SET)
         return self.backend.batch_set_v2(transfers, extra_info)
+
+    def set_quotas(self, quotas: Mapping[bytes, int]) -> None:
+        """Bytes each owner label may hold on this shard (``OwnerShares.set_quotas``)."""
+        set_quotas = getattr(self.backend, "set_quotas", None)
+        if set_quotas is not None:
+            set_quotas(quotas)
+
+    def owner_bytes(self) -> dict[bytes, int]:
+        """Bytes held per owner label on this shard."""
+        owner_bytes = getattr(self.backend, "owner_bytes", None)
+        return {} if owner_bytes is None else owner_bytes()
 
     def drop_all(self) -> int:
         """Delete every record this shard holds (``PDCluster.drop_caches``); how many."""

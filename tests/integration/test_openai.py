@@ -211,6 +211,9 @@ def test_a_key_over_its_rate_gets_429_with_retry_after_and_the_others_are_served
             ("tokens", "generated"): served.usage.completion_tokens
             + small.usage.completion_tokens, ("rate_limited", ""): 3}
     assert tenant_counts(ray_cluster.metrics_port, "slow", want) == want
+    # and the L3 bytes its pages hold, under its quota (the shard enforces it by owner label)
+    quota = KEYS["tenants"]["slow"]["l3_quota_bytes"]
+    assert 0 < l3_bytes(ray_cluster.metrics_port, "slow") <= quota
 
 
 def tenant_counts(port: int, tenant: str, want: dict[tuple[str, str], float]) -> dict[
@@ -228,6 +231,18 @@ def tenant_counts(port: int, tenant: str, want: dict[tuple[str, str], float]) ->
         got = {k: v for k, v in got.items() if k in want}
         if got == want or time.monotonic() > deadline:
             return got
+        time.sleep(0.5)
+
+
+def l3_bytes(port: int, tenant: str) -> float:
+    """``pd_cache_tenant_l3_bytes`` of ``tenant`` (the largest any replica exports), once
+    above 0 or after 30 s (the ingress exports it every metrics interval)."""
+    deadline = time.monotonic() + 30
+    while True:
+        held = max((s.value for s in samples(port) if s.labels.get("tenant") == tenant
+                    and s.name == "ray_pd_cache_tenant_l3_bytes"), default=0.0)
+        if held > 0 or time.monotonic() > deadline:
+            return held
         time.sleep(0.5)
 
 

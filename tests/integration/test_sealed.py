@@ -1,6 +1,7 @@
 """Sealed L3 on a real cluster (1 prefill, 1 decode, 1 disk shard): the files give no prompt
-back, a key rotation keeps old records readable until retired, and a purge forgets one
-tenant in every tier while another keeps its pages."""
+back, a key rotation keeps old records readable until retired, a purge forgets one tenant
+in every tier while another keeps its pages, and a tenant over its L3 quota evicts only its
+own pages (the shard knows it by owner label)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from tests.unit.storage.recovery import recover, stolen_records, vocabulary_v_ro
 ray = pytest.importorskip("ray")
 
 PS = 4
+CAPACITY = 160_000   # L3 bytes: about 60 pages of the tiny model
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +35,8 @@ def disk_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def config(disk_path: Path) -> ClusterConfig:
     return ClusterConfig(model="tiny", page_size=PS, device_pages=64, host_pages=64,
                          num_prefill=1, num_decode=1, num_storage=1, storage_backend="disk",
-                         disk_path=str(disk_path), storage_timeout_s=5.0)
+                         disk_path=str(disk_path), storage_timeout_s=5.0,
+                         storage_capacity_bytes=CAPACITY)
 
 
 @pytest.fixture(scope="module")
@@ -97,4 +100,33 @@ def test_sealed_l3_rotation_retirement_and_purge(cluster: PDCluster, config: Clu
     assert ask(cluster, model, "beta", beta)["device"] == 6 * PS
     forget_workers(cluster)
     assert ask(cluster, model, "beta", beta)["storage"] == 6 * PS
+    assert_idle(cluster)
+
+
+def test_a_noisy_tenant_over_its_quota_cannot_evict_a_quiet_one(cluster: PDCluster,
+                                                                 config: ClusterConfig) -> None:
+    pd = with_weights_digest(config.pd_config)
+    model, vocab = Model(pd.model), pd.model.vocab_size
+    (shard,) = cluster.storage
+    cluster.drop_caches()
+    quiet = clusters.tokens(3, 8 * PS + 1, vocab)
+    assert sum(ask(cluster, model, "quiet", quiet).values()) == 0
+    usage = ray.get(shard.usage.remote())
+    page = usage.bytes // usage.records   # one sealed page's file (all are the same size)
+    quota = 6 * page
+    cluster.set_quotas({"noisy": quota})
+    # noisy sends unique prompts: twice the shard's capacity (it would take every page
+    # without a quota); its bytes never pass its quota, quiet keeps every page in L3
+    floods = 2 * CAPACITY // (8 * page) + 1
+    most = 0
+    for i in range(floods):
+        ask(cluster, model, "noisy", clusters.tokens(100 + i, 8 * PS + 1, vocab))
+        most = max(most, cluster.tenant_l3_bytes(["noisy"])["noisy"])
+    assert quota - page <= most <= quota
+    assert ray.get(shard.stats.remote())["refused/quota"] > 0
+    forget_workers(cluster)
+    assert ask(cluster, model, "quiet", quiet)["storage"] == 8 * PS
+    held = cluster.tenant_l3_bytes(["quiet", "noisy"])
+    assert held["quiet"] >= 8 * page and held["noisy"] <= quota
+    cluster.set_quotas({})
     assert_idle(cluster)

@@ -203,7 +203,7 @@ def test_dashboard_queries_only_exported_metrics():
     topics = ["cached_tokens", "storage_misses", "prefetch_bytes", "backup_bytes",
               "handoff_seconds", "pool_used_pages", "pool_capacity_pages", "ttft_seconds",
               "inter_token_seconds", "offload_pages", "tenant_tokens", "tenant_cached_tokens",
-              "tenant_rate_limited"]
+              "tenant_rate_limited", "tenant_l3_bytes"]
     for topic in topics:
         assert any(topic in name for name in used), topic
 

@@ -92,6 +92,7 @@ def test_every_instrument_is_served_over_http(served):
     metrics.count_tenant_tokens("acme", "prompt", 30)
     metrics.count_tenant_cached_tokens("acme", 16)
     metrics.count_rate_limited("acme")
+    metrics.set_tenant_l3_bytes("acme", 5 << 20)
 
     got = scrape(url)
     names = {name for name, _ in got}
@@ -141,6 +142,7 @@ def test_every_instrument_is_served_over_http(served):
     assert value(got, "pd_cache_tenant_tokens_total", tenant="acme", token_kind="prompt") == 30
     assert value(got, "pd_cache_tenant_cached_tokens_total", tenant="acme") == 16
     assert value(got, "pd_cache_tenant_rate_limited_total", tenant="acme") == 1
+    assert value(got, "pd_cache_tenant_l3_bytes", tenant="acme") == 5 << 20
 
 
 @pytest.mark.parametrize("call, named", [
@@ -177,7 +179,7 @@ def test_vocabularies_are_fixed_and_names_follow_the_convention():
     assert set(VOCABULARIES["reason"]) == {"not_stored", "evicted", "verification_failed",
                                            "namespace_refused", "timeout", "storage_error",
                                            "cross_namespace", "disk_full", "key_retired",
-                                           "stale_index"}
+                                           "stale_index", "quota"}
     assert VOCABULARIES["op"] == ("exists", "get", "set")
     suffix = {"counter": ("_total",), "histogram": ("_seconds",),
               "gauge": ("_pages", "_bytes")}
