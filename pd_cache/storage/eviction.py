@@ -16,6 +16,9 @@ whenever a page after it was (touching a page touches its ancestors, without wal
 them): the chain touched least recently loses its tail first and, page by page, the rest.
 Leaves wait in a heap ordered by tick; an entry that went stale (the page was touched
 again, got a child or left) is dropped when it reaches the top.
+
+Pinned records (``pd_cache.storage.pinned``): a victim that ``held`` says is pinned is set
+aside, not returned, until ``release`` says its pin lapsed.
 """
 
 from __future__ import annotations
@@ -23,12 +26,30 @@ from __future__ import annotations
 import heapq
 from abc import ABC, abstractmethod
 from collections import Counter
+from collections.abc import Callable
 
 Slot = tuple[str, bytes]  # (pool, page name)
 
 
 class EvictionPolicy(ABC):
-    """The order in which a store gives up its records (the store owns the bytes)."""
+    """The order in which a store gives up its records (the store owns the bytes).
+
+    ``held(slot)``: whether ``slot`` is pinned now; a held slot is never the victim.
+    """
+
+    def __init__(self, held: Callable[[Slot], bool] = lambda slot: False) -> None:
+        self.held = held
+        self._aside: set[Slot] = set()   # held victims: offered again at ``release``
+
+    def release(self, slot: Slot) -> None:
+        """``slot``'s pin lapsed (or was dropped): it may be the victim again."""
+        if slot in self._aside:
+            self._aside.discard(slot)
+            self._offer(slot)
+
+    @abstractmethod
+    def _offer(self, slot: Slot) -> None:
+        """``slot`` may be a victim (again)."""
 
     @abstractmethod
     def add(self, slot: Slot, parent: Slot, *, orphan: bool = False) -> None:
@@ -58,7 +79,8 @@ class TailFirst(EvictionPolicy):
     ``add``, ``touch`` and ``remove`` cost O(log n), ``victim`` O(log n) amortized.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, held: Callable[[Slot], bool] = lambda slot: False) -> None:
+        super().__init__(held)
         self._clock = 0
         self._ticks: dict[Slot, int] = {}
         self._parent: dict[Slot, Slot] = {}
@@ -79,6 +101,7 @@ class TailFirst(EvictionPolicy):
             self._offer(slot)
 
     def remove(self, slot: Slot) -> None:
+        self._aside.discard(slot)
         tick = self._ticks.pop(slot, None)
         if tick is None:
             return
@@ -94,7 +117,9 @@ class TailFirst(EvictionPolicy):
         while self._leaves:
             tick, slot = self._leaves[0]
             if self._ticks.get(slot) == tick and slot not in self._children:
-                return slot
+                if not self.held(slot):
+                    return slot
+                self._aside.add(slot)
             heapq.heappop(self._leaves)
         return None
 
@@ -103,7 +128,7 @@ class TailFirst(EvictionPolicy):
         return self._clock
 
     def _offer(self, slot: Slot) -> None:
-        if slot in self._children:
+        if slot not in self._ticks or slot in self._children:
             return  # not a leaf: it is offered again once its last child goes
         heapq.heappush(self._leaves, (self._ticks[slot], slot))
         if len(self._leaves) > 2 * len(self._ticks) + 64:

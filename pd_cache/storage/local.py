@@ -1,5 +1,4 @@
-"""The logic every in-process backend shares: index, bound, verification, counting.
-
+"""The logic every in-process backend shares: index, bound, verification, counting, pins.
 A subclass only says where a record's bytes live (:meth:`LocalBackend._write`,
 ``_read``, ``_delete``, ``_footprint``; ``_write_all`` to keep a batch together). The
 index maps ``(pool, name)`` to the record's header and size, so ``exists`` and the chain
@@ -25,6 +24,7 @@ from pd_cache.storage.base import ExtraInfo, PoolHits, PoolTransfer, StorageBack
 from pd_cache.storage.batch import Batch, check_batch, normalize_keys, usable_hits
 from pd_cache.storage.entries import Entry, Link, Refusal, key_of, refusal_of
 from pd_cache.storage.eviction import EvictionPolicy, Slot, TailFirst
+from pd_cache.storage.pinned import RecordPins
 from pd_cache.storage.record import (
     CHECKPOINT_POOLS,
     PageRecord,
@@ -62,7 +62,8 @@ class LocalBackend(StorageBackend):
             raise ValueError(f"algo: unknown hash algorithm {algo!r}")
         self.layout, self.algo, self.capacity_bytes = layout, algo, capacity_bytes
         self._index: dict[Slot, Entry] = {}
-        self._policy = self.policy_class()
+        self.pins = RecordPins(capacity_bytes)   # the fraction: tier_backend
+        self._policy = self.policy_class(self.pins.held)
         self._ghosts: OrderedDict[Slot, MissReason] = OrderedDict()   # why each one went
         self._warned: set[MissReason] = set()
         self._used = 0
@@ -122,7 +123,8 @@ class LocalBackend(StorageBackend):
             self._check_fits(b.pages or [])
         prefix = _prefix_tail(extra_info, self.algo)
         with self._lock:
-            return [self._put_all(b, prefix + b.keys, len(prefix)) for b in batches]
+            return self.pins.pin_stored(batches, [self._put_all(b, prefix + b.keys, len(
+                prefix)) for b in batches], self._index, extra_info and extra_info.pin_ttl_s)
 
     def clear(self) -> int:
         """Delete every record (an operator's reset, not eviction: nothing is counted as
@@ -196,6 +198,7 @@ class LocalBackend(StorageBackend):
 
     def _served(self, slot: Slot) -> None:
         self._policy.touch(slot)
+        self.pins.touch(slot)
         self._touched(slot)
         self._stats.count(Event.HIT)
 
@@ -319,6 +322,7 @@ class LocalBackend(StorageBackend):
     def _evict_until(self, budget: int, keep: Container[Slot] = ()) -> None:
         """Evict tails first until at most ``budget`` bytes are held, or the next victim
         is one of ``keep`` (or there is none)."""
+        self.pins.lapse(self._policy.release)
         while self._used > budget and (slot := self._policy.victim()) is not None \
                 and slot not in keep:
             self._remove(slot)
@@ -334,6 +338,7 @@ class LocalBackend(StorageBackend):
         entry = self._index.pop(slot, None)
         if entry is not None:
             self._used -= entry.nbytes
+        self.pins.drop(slot)
         self._policy.remove(slot)
         self._delete(slot)
 

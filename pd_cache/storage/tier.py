@@ -22,6 +22,7 @@ from pd_cache.core.request import Req, compute_prefix_hash
 from pd_cache.storage import make_backend
 from pd_cache.storage.base import ExtraInfo, PoolHits, PoolTransfer, StorageBackend, Usage
 from pd_cache.storage.exporter import StatsExporter
+from pd_cache.storage.local import LocalBackend
 from pd_cache.storage.shared import SharedMemoryBackend, SharedPages
 
 log = logging.getLogger(__name__)
@@ -108,10 +109,13 @@ def tier_backend(config: PDCacheConfig, shard: int = 0) -> StorageBackend:
     """The shard's backend; in a Ray process, ``memory`` keeps records in the object store."""
     algo = config.cache.hash_algo
     if config.storage.backend != "memory" or not _in_ray():
-        return make_backend(config.storage, config.layout, algo=algo, shard=shard)
-    backend = SharedMemoryBackend.from_config(config.storage, config.layout, algo=algo,
-                                              shard=shard)
-    _warn_if_spilling(backend.capacity_bytes)
+        backend = make_backend(config.storage, config.layout, algo=algo, shard=shard)
+    else:
+        backend = SharedMemoryBackend.from_config(config.storage, config.layout, algo=algo,
+                                                  shard=shard)
+        _warn_if_spilling(backend.capacity_bytes)
+    if isinstance(backend, LocalBackend):   # NOTE: no more of the shard pinned than this
+        backend.pins.limit(config.cache.max_pinned_fraction)
     return backend
 
 
