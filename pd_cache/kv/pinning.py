@@ -37,13 +37,15 @@ class Pinning(Evicting):
         sizes = [p.capacity for p in (self.device, self.host) if p.capacity]
         return int(self.max_pinned_fraction * min(sizes)) if sizes else 0
 
-    def pin(self, node: Node, ttl_s: float, owner: str = "") -> int:
-        """Pin ``node``'s path for ``ttl_s`` seconds (renewed by each hit), as many of its
-        pages, from the first, as the fraction allows; how many of them are pinned now."""
+    def pin(self, node: Node, ttl_s: float, owner: str = "", max_pages: int | None = None
+            ) -> int:
+        """Pin ``node``'s path (its first ``max_pages`` pages) for ``ttl_s`` seconds,
+        renewed by each hit, as many pages, from the first, as the fraction allows; how
+        many of them are pinned now."""
         self._lapse()
         room = self.max_pinned_pages - len(self.pins)
         done = 0
-        for n in node.path():
+        for n in node.path()[:max_pages]:
             if n not in self.pins:
                 if room <= 0:
                     break

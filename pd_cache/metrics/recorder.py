@@ -92,6 +92,9 @@ class PDCacheMetrics:
     def count_rate_limited(self, tenant: str, n: int = 1) -> None:
         self._record("pd_cache_tenant_rate_limited_total", n, tenant=tenant)
 
+    def set_tenant_pinned_bytes(self, tenant: str, nbytes: int) -> None:
+        self._record("pd_cache_tenant_pinned_bytes", nbytes, tenant=tenant)
+
     # -- L3 ----------------------------------------------------------------------------
     def count_miss(self, reason: MissReason | str, n: int = 1) -> None:
         self._record("pd_cache_storage_misses_total", n, reason=reason)

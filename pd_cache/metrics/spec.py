@@ -141,6 +141,9 @@ METRICS: tuple[MetricSpec, ...] = (
        "Prompt tokens of a key file's tenant found in a cache tier (its own reuse only)."),
     _c("pd_cache_tenant_rate_limited_total", ("tenant",),
        "Requests of a key file's tenant refused (429) by its key's rate limits."),
+    _g("pd_cache_tenant_pinned_bytes", ("tenant",),
+       "KV bytes of a key file's tenant's pinned pages (each page once, whatever holds it), "
+       "as the ingress last counted them (a pinning request, an admin list or drop)."),
 )
 METRIC_NAMES: dict[str, MetricSpec] = {spec.name: spec for spec in METRICS}
 RAY_PREFIX = "ray_"

@@ -49,6 +49,7 @@ class MetricsProbe:
         m.count_tenant_tokens("acme", "prompt", 80)
         m.count_tenant_cached_tokens("acme", 64)
         m.count_rate_limited("acme")
+        m.set_tenant_pinned_bytes("acme", 3 * 4096)
         m.count_offload("generated", 2)
         m.set_pool("host", 7, 1024)
         m.set_storage_usage(3 * 4096, 1 << 20, "memory")
@@ -109,6 +110,7 @@ def expected() -> Samples:
         key("pd_cache_tenant_tokens_total", tenant="acme", token_kind="prompt"): 80,
         key("pd_cache_tenant_cached_tokens_total", tenant="acme"): 64,
         key("pd_cache_tenant_rate_limited_total", tenant="acme"): 1,
+        key("pd_cache_tenant_pinned_bytes", tenant="acme"): 3 * 4096,
         key("pd_cache_prefetch_pages_total", backend="memory", outcome="ok"): 3,
         key("pd_cache_prefetch_bytes_total", backend="memory", outcome="ok"): 3 * 4096,
         key("pd_cache_prefetch_seconds_count", backend="memory", outcome="ok"): 1,

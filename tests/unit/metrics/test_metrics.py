@@ -91,6 +91,7 @@ def test_every_instrument_is_served_over_http(served):
     metrics.count_tenant_tokens("acme", "prompt", 30)
     metrics.count_tenant_cached_tokens("acme", 16)
     metrics.count_rate_limited("acme")
+    metrics.set_tenant_pinned_bytes("acme", 4096)
 
     got = scrape(url)
     names = {name for name, _ in got}
