@@ -37,6 +37,13 @@ class Pin(NamedTuple):
     owner: str = ""
 
 
+def pinned_page_limit(fraction: float, *capacities: int) -> int:
+    """The most pages pinned at once in pools of these capacities (empty ones left out):
+    ``fraction`` of the smallest."""
+    sizes = [c for c in capacities if c]
+    return int(fraction * min(sizes)) if sizes else 0
+
+
 def check_ttl(field: str, ttl_s: object) -> float:
     """``ttl_s`` as a float >= 0 (0: no pin), or ``ValueError`` naming ``field``."""
     if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not ttl_s >= 0 \
@@ -81,8 +88,14 @@ class Pins(Generic[K]):
         return pin is not None and pin.until > self.clock()
 
     def drop(self, key: K) -> Pin | None:
-        """Forget ``key``'s pin (it left the tier, or an operator dropped it)."""
+        """Forget ``key``'s pin (it left the tier)."""
         return self._pins.pop(key, None)
+
+    def end(self, key: K) -> None:
+        """``key``'s pin lapses now (an operator dropped it): ``expired()`` names it next."""
+        pin = self._pins.get(key)
+        if pin is not None:
+            self._set(key, pin._replace(until=min(pin.until, self.clock())))
 
     def expired(self) -> list[K]:
         """The keys whose pins lapsed since the last call; forgotten here."""

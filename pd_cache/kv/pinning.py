@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from pd_cache.core.pins import pinned_page_limit
 from pd_cache.kv.evict import Evicting
 from pd_cache.kv.node import Node
 
@@ -34,8 +35,8 @@ class Pinning(Evicting):
     @property
     def max_pinned_pages(self) -> int:
         """The most pages pinned at once: the fraction of the smaller (non-empty) pool."""
-        sizes = [p.capacity for p in (self.device, self.host) if p.capacity]
-        return int(self.max_pinned_fraction * min(sizes)) if sizes else 0
+        return pinned_page_limit(self.max_pinned_fraction, self.device.capacity,
+                                 self.host.capacity)
 
     def pin(self, node: Node, ttl_s: float, owner: str = "", max_pages: int | None = None
             ) -> int:

@@ -83,8 +83,9 @@ class RecordPins(Pins[Slot]):
                 "expires_in_s": max((p.until - now for _, p in mine), default=0.0)}
 
     def drop_owner(self, owner: str) -> list[Slot]:
-        """Unpin ``owner``'s records (they stay stored, evictable again); which ones."""
+        """Unpin ``owner``'s records (they stay stored, evictable again once the next
+        eviction collects the lapsed pins); which ones."""
         gone = [s for s, p in self.items() if p.owner == owner]
         for slot in gone:
-            self.drop(slot)
+            self.end(slot)
         return gone

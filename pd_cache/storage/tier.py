@@ -89,6 +89,17 @@ class StorageTier:
             raise ValueError(f"backend {type(self.backend).__name__} cannot be emptied")
         return clear()
 
+    def pins(self, owner: str) -> dict[str, Any]:
+        """The records pinned here by ``owner`` (an owner label, hex; ``storage.pinned``)."""
+        pins = getattr(self.backend, "pins", None)
+        return {"names": [], "bytes": 0, "expires_in_s": 0.0} if pins is None \
+            else pins.listing(owner)
+
+    def drop_pins(self, owner: str) -> int:
+        """Unpin ``owner``'s records here (they stay stored); how many."""
+        pins = getattr(self.backend, "pins", None)
+        return 0 if pins is None else len(pins.drop_owner(owner))
+
     def stats(self) -> dict[str, int]:
         return self.backend.stats()
 

@@ -52,7 +52,10 @@ def test_no_more_than_the_fraction_is_pinned_and_drop_owner_unpins() -> None:
     store.batch_set(chain.names, chain.records, ExtraInfo(pin_ttl_s=5.0))
     assert len(store.pins) == 4 and store.pins.nbytes == 4 * size
     assert store.pins.drop_owner("") == [("kv", n) for n in chain.names[:4]]
-    assert not store.pins and store.pins.nbytes == 0
+    assert store.pins.listing("")["names"] == []
+    more = Chain(layout, 8, seed=2)                     # evicts the unpinned ones first
+    store.batch_set(more.names, more.records)
+    assert not store.pins and store.pins.nbytes == 0 and store.batch_exists(chain.names) == 0
 
 
 def test_a_held_victim_is_set_aside_until_released() -> None:
