@@ -10,18 +10,12 @@ from pd_cache.core.config import CacheConfig, KVLayout
 from pd_cache.core.pins import Pins
 from pd_cache.core.vocab import Tier
 from pd_cache.kv import CacheKey, PagePool, RadixCache
+from tests.unit.clock import Clock
 
 PS = 2
 LAYOUT = KVLayout(model_id="t", kv_dtype="float32", num_layers=1, page_size=PS,
                   num_kv_heads=1, head_dim=2)
 
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_a_pin_lapses_at_its_ttl_and_each_hit_renews_it() -> None:

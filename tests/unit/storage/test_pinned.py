@@ -7,19 +7,12 @@ from pd_cache.core.config import KVLayout
 from pd_cache.storage import ExtraInfo
 from pd_cache.storage.eviction import TailFirst
 from pd_cache.storage.memory import MemoryBackend
+from tests.unit.clock import Clock
 from tests.unit.storage.records import Chain, layout_for
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_a_pinned_chain_survives_a_flood_until_its_pin_lapses() -> None:
-    layout, clock = layout_for(), Clock()
+    layout, clock = layout_for(), Clock(0.0)
     size = _page_bytes(layout)
     store = MemoryBackend(layout, 10 * size)
     store.pins.clock = clock
