@@ -62,13 +62,13 @@ class LocalBackend(StorageBackend):
             raise ValueError(f"algo: unknown hash algorithm {algo!r}")
         self.layout, self.algo, self.capacity_bytes = layout, algo, capacity_bytes
         self._index: dict[Slot, Entry] = {}
-        self.pins = RecordPins(capacity_bytes)   # the fraction: tier_backend
+        self._lock = threading.RLock()
+        self.pins = RecordPins(capacity_bytes, lock=self._lock)   # fraction: tier_backend
         self._policy = self.policy_class(self.pins.held)
         self._ghosts: OrderedDict[Slot, MissReason] = OrderedDict()   # why each one went
         self._warned: set[MissReason] = set()
         self._used = 0
         self._stats = Stats()
-        self._lock = threading.RLock()
 
     @classmethod
     def from_config(cls, config: StorageConfig, layout: KVLayout, *, algo: str = "xxh3_128",

@@ -12,22 +12,27 @@ comes back with none.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from pd_cache.core.fields import check_fraction
-from pd_cache.core.pins import Pins
+from pd_cache.core.pins import Pin, Pins
 from pd_cache.storage.batch import Batch
 from pd_cache.storage.entries import Entry
 from pd_cache.storage.eviction import Slot
 
 
 class RecordPins(Pins[Slot]):
-    """``Pins`` over a shard's slots, with the bytes they hold."""
+    """``Pins`` over a shard's slots, with the bytes they hold. The store calls it under
+    its ``lock``; the admin calls (``listing``, ``drop_owner``) take that lock themselves."""
 
     def __init__(self, capacity_bytes: int, max_pinned_fraction: float = 0.5,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, *,
+                 lock: Any = None) -> None:
         super().__init__(clock)
+        self.lock = lock if lock is not None else threading.RLock()
         self.capacity_bytes, self.nbytes = capacity_bytes, 0
         self._sizes: dict[Slot, int] = {}
         self.limit(max_pinned_fraction)
@@ -58,7 +63,7 @@ class RecordPins(Pins[Slot]):
         self.pin(slot, ttl_s, "" if seal is None else seal.owner.hex())
         return True
 
-    def drop(self, key: Slot) -> object:
+    def drop(self, key: Slot) -> Pin | None:
         self.nbytes -= self._sizes.pop(key, 0)
         return super().drop(key)
 
@@ -76,16 +81,19 @@ class RecordPins(Pins[Slot]):
     def listing(self, owner: str) -> dict[str, object]:
         """``owner``'s pinned records here: names (hex), bytes, seconds to the latest
         expiry."""
-        now = self.clock()
-        mine = [(s, p) for s, p in self.items() if p.owner == owner]
+        with self.lock:
+            now = self.clock()
+            mine = [(s, p) for s, p in self.items() if p.owner == owner]
+            sizes = [self._sizes.get(s, 0) for s, _ in mine]
         return {"names": sorted(s[1].hex() for s, _ in mine),
-                "bytes": sum(self._sizes.get(s, 0) for s, _ in mine),
+                "bytes": sum(sizes),
                 "expires_in_s": max((p.until - now for _, p in mine), default=0.0)}
 
     def drop_owner(self, owner: str) -> list[Slot]:
         """Unpin ``owner``'s records (they stay stored, evictable again once the next
         eviction collects the lapsed pins); which ones."""
-        gone = [s for s, p in self.items() if p.owner == owner]
-        for slot in gone:
-            self.end(slot)
+        with self.lock:
+            gone = [s for s, p in self.items() if p.owner == owner]
+            for slot in gone:
+                self.end(slot)
         return gone
