@@ -11,7 +11,7 @@ from pd_cache.cluster.router import PrefixRouter
 from pd_cache.core.cluster_config import ClusterConfig
 from pd_cache.core.config import PDCacheConfig
 from pd_cache.core.request import Req
-from pd_cache.core.wire import PageNames, WorkerState
+from pd_cache.core.wire import PageNames, TenantPins, WorkerState
 
 NAMESPACE = "pd-cache"   # the Ray namespace of named (detached) clusters
 
@@ -51,6 +51,44 @@ class ClusterOperations(ClusterKeys):
         return StorageClient(self.storage, algo=self.pd.cache.hash_algo,
                              timeout_s=timeout_s or self.config.storage_timeout_s,
                              segment_pages=self.pd.storage.segment_pages)
+
+    def pins(self, tenant: str) -> TenantPins:
+        """``tenant``'s pinned pages on every worker and L3 shard (shards know it by its
+        owner label: records sealed without one, with sealing off, are no tenant's)."""
+        import ray
+
+        owner = self._owner(tenant)
+        workers = [a.pins.remote(tenant) for a in self.prefill + self.decode]
+        tiers = [s.pins.remote(owner) for s in self.storage]
+        names: set[str] = set()
+        latest, held = 0.0, {"workers": 0, "storage": 0}
+        for pages in ray.get(workers):
+            names.update(p.name.hex() for p in pages)
+            latest = max([latest, *(p.expires_in_s for p in pages)])
+            held["workers"] += len(pages)
+        for listing in ray.get(tiers):
+            names.update(listing["names"])
+            latest = max(latest, listing["expires_in_s"])
+            held["storage"] += len(listing["names"])
+        return TenantPins(sorted(names), len(names) * self.pd.layout.page_nbytes, latest,
+                          held["workers"], held["storage"])
+
+    def drop_pins(self, tenant: str) -> int:
+        """Unpin ``tenant``'s pages on every worker and shard (they stay cached, evictable
+        again); how many pins went."""
+        import ray
+
+        owner = self._owner(tenant)
+        return sum(ray.get([a.drop_pins.remote(tenant) for a in self.prefill + self.decode]
+                           + [s.drop_pins.remote(owner) for s in self.storage]))
+
+    def _owner(self, tenant: str) -> str:
+        """``tenant``'s owner label on sealed L3 records, hex (a worker knows it)."""
+        import ray
+
+        if not self.storage or not self.pd.storage.seal:
+            return ""
+        return ray.get(self.prefill[0].owner.remote(tenant)).hex()
 
     def flush(self) -> None:
         """Wait until every worker's background L3 writes so far have finished."""

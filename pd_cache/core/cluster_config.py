@@ -95,6 +95,8 @@ class ClusterConfig:
     decode_pack: bool = _knob(False, "fill the busiest decode batch with room first")
     decode_cache: bool = _knob(True, "decode workers keep a prefix cache: a conversation's "
                                      "next turn is handed only the pages decode lacks")
+    max_pinned_fraction: float = _knob(0.5, "the most of each pool and L3 shard that pinned "
+                                            "prefixes may hold (a fraction)")
     actor_cpus: float = _knob(0.0, "CPUs each worker actor reserves from Ray")
     storage_timeout_s: float = _knob(10.0, "bound on any wait for an L3 call (s)")
     storage_restarts: int = _knob(3, "restarts of a storage actor before it stays dead")
@@ -141,7 +143,8 @@ class ClusterConfig:
                               host_pages=self.host_pages if on else 0,
                               write_policy=self.write_policy,
                               state_every_pages=self.state_every_pages,
-                              decode_cache=self.decode_cache and on),
+                              decode_cache=self.decode_cache and on,
+                              max_pinned_fraction=self.max_pinned_fraction),
             storage=StorageConfig(enabled=self.with_storage, backend=self.storage_backend,
                                   capacity_bytes=self.storage_capacity_bytes,
                                   disk_path=self.disk_path,

@@ -18,6 +18,7 @@ from pd_cache.core.fields import (
     check,
     check_bool,
     check_disk_reserve,
+    check_fraction,
     check_int_at_least,
     check_non_negative,
     check_positive,
@@ -122,6 +123,8 @@ class CacheConfig:
     cached prefix may resume from; see ``pd_cache.kv.state``). ``decode_cache``: a decode
     worker keeps the pages it received and computed in its own radix cache, so the next turn
     of a conversation is handed only the pages it lacks (``pd_cache.worker.decode_cache``).
+    ``max_pinned_fraction``: the most of each pool (L1, L2, each L3 shard) that pinned
+    prefixes may hold (``Req.pin_ttl_s``; ``pd_cache.core.pins``).
     """
 
     page_size: int = 16
@@ -131,9 +134,11 @@ class CacheConfig:
     write_policy: str = "write_through"
     state_every_pages: int = 4
     decode_cache: bool = True
+    max_pinned_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         check_positive_int("cache.page_size", self.page_size)
+        check_fraction("cache.max_pinned_fraction", self.max_pinned_fraction)
         check_bool("cache.decode_cache", self.decode_cache)
         check_positive_int("cache.state_every_pages", self.state_every_pages)
         one_of("cache.hash_algo", self.hash_algo, tuple(DIGEST_SIZES))

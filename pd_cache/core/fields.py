@@ -46,6 +46,11 @@ def check_positive(field_name: str, value: Any) -> None:
           field_name, value, "a number > 0")
 
 
+def check_fraction(field_name: str, value: Any) -> None:
+    check(isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1,
+          field_name, value, "a fraction in [0, 1]")
+
+
 def check_disk_reserve(field_name: str, value: Any) -> None:
     """A fraction of a filesystem in [0, 1), or a whole number of bytes >= 1."""
     number = isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 
 from pd_cache.core.hashing import MAX_TOKEN, namespace_seed, page_hashes, token_buffer
+from pd_cache.core.pins import check_ttl
 
 MAX_NAMESPACE_BYTES = 256
 
@@ -107,6 +108,9 @@ class Req(msgspec.Struct, kw_only=True, dict=True):
     # NOTE: set by the server from the API key ("" in open mode and for direct PDCluster
     # callers); it picks the key that seals the request's L3 pages (core.sealing).
     tenant: str = ""
+    # NOTE: > 0: every tier that stores the prompt's full pages pins them this many seconds,
+    # renewed by each hit (core.pins); the ingress checks the tenant's limit first.
+    pin_ttl_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.rid, str) or not self.rid:
@@ -130,6 +134,7 @@ class Req(msgspec.Struct, kw_only=True, dict=True):
                 or self.max_new_tokens < 0):
             raise ValueError(f"max_new_tokens: expected an int >= 0, got "
                              f"{self.max_new_tokens!r}")
+        self.pin_ttl_s = check_ttl("pin_ttl_s", self.pin_ttl_s)
         if self.deadline is not None and (isinstance(self.deadline, bool)
                                           or not isinstance(self.deadline, (int, float))
                                           or not math.isfinite(self.deadline)):
@@ -185,7 +190,7 @@ class Req(msgspec.Struct, kw_only=True, dict=True):
         return Req(rid=self.rid, input_ids=self.input_ids + list(sent),
                    extra_key=self.extra_key, cache_salt=self.cache_salt,
                    max_new_tokens=self.max_new_tokens - len(sent), sampling=sampling,
-                   deadline=self.deadline, tenant=self.tenant)
+                   deadline=self.deadline, tenant=self.tenant, pin_ttl_s=self.pin_ttl_s)
 
     @property
     def namespace(self) -> tuple[str | None, str | None]:

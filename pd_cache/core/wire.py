@@ -127,6 +127,24 @@ class PageNames(NamedTuple):
     storage: list[list[bytes]]
 
 
+class TenantPins(NamedTuple):
+    """A tenant's pinned pages across the cluster, each page counted once whatever worker
+    or shard holds it: names (hex, sorted), their KV bytes (``pages * page_nbytes``), the
+    seconds until the last pin lapses, and pins held by the workers' and the shards'."""
+
+    names: list[str]
+    nbytes: int
+    expires_in_s: float
+    on_workers: int
+    on_storage: int
+
+    def body(self, tenant: str) -> dict[str, Any]:
+        """The admin route's JSON answer."""
+        return {"tenant": tenant, "pages": len(self.names), "bytes": self.nbytes,
+                "expires_in_s": round(self.expires_in_s, 3), "names": self.names,
+                "on_workers": self.on_workers, "on_storage": self.on_storage}
+
+
 def totals(completions: Iterable[Completion]) -> dict[str, Any]:
     """Sums over completions: cached tokens by tier, pages handed off, cross-namespace."""
     out: dict[str, Any] = {"requests": 0, "prompt_tokens": 0,

@@ -4,6 +4,8 @@
     POST /admin/keys/retire              every older version unreadable, its records deleted
     POST /admin/tenants/{tenant}/purge   the tenant's cache forgotten in every tier
 
+and the tenant pin routes (``pd_cache.front.pinning``): ``GET .../pins``, ``POST .../pins/drop``.
+
 Record deletion runs on in the background: the answer says what was done at once.
 """
 
@@ -15,18 +17,24 @@ from urllib.parse import unquote
 
 from pd_cache.front.http import HTTPError
 
-PURGE_PREFIX, PURGE_SUFFIX = "/admin/tenants/", "/purge"
+TENANT_PREFIX = "/admin/tenants/"
+# NOTE: the longest suffix first: ".../pins/drop" is not a tenant named "x/pins".
+TENANT_ROUTES = {"/pins/drop": ("POST", "drop_pins"), "/purge": ("POST", "purge"),
+                 "/pins": ("GET", "pins")}
 
 
-def purged_tenant(path: str) -> str | None:
-    """The tenant of a purge route, ``None`` for any other path."""
-    if not (path.startswith(PURGE_PREFIX) and path.endswith(PURGE_SUFFIX)):
+def tenant_route(path: str) -> tuple[str, str, str] | None:
+    """``(method, action, tenant)`` of a tenant route, ``None`` for any other path."""
+    if not path.startswith(TENANT_PREFIX):
         return None
-    tenant = unquote(path[len(PURGE_PREFIX):-len(PURGE_SUFFIX)])
-    if not tenant or "/" in tenant:
-        raise HTTPError(404, f"no route {path!r}: expected /admin/tenants/<tenant>/purge",
-                        None, "not_found")
-    return tenant
+    for suffix, (method, action) in TENANT_ROUTES.items():
+        if path.endswith(suffix):
+            tenant = unquote(path[len(TENANT_PREFIX):-len(suffix)])
+            if tenant and "/" not in tenant:
+                return method, action, tenant
+    raise HTTPError(404, f"no route {path!r}: expected /admin/tenants/<tenant>/"
+                         f"{{{'|'.join(s.lstrip('/') for s in TENANT_ROUTES)}}}", None,
+                    "not_found")
 
 
 async def keys_call(cluster: Any, action: str, tenant: str | None = None) -> dict[str, Any]:

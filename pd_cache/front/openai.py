@@ -9,7 +9,9 @@ vLLM; with API keys it only subdivides the caller's tenant), and, as in vLLM,
 checkpoint's end-of-sequence ids, which end an answer by default: ``finish_reason`` is then
 ``stop``). ``top_p``, ``presence_penalty`` and ``frequency_penalty`` are checked against
 OpenAI's ranges and not applied; ``n`` must be 1. Other fields OpenAI clients send that do
-not apply here are ignored. Answers carry the
+not apply here are ignored. A body may pin its prompt's pages (``pd_cache.front.pinning``):
+the extension ``"pd_cache": {"pin_ttl_s": N}``, or OpenAI's ``prompt_cache_retention``
+(``"24h"``: a 24 h pin; ``"in_memory"``: none). Answers carry the
 generated token ids (``token_ids``, an extension) and
 ``usage.prompt_tokens_details.cached_tokens``; admin keys also get ``pd_cache`` (cached
 tokens by tier, server timings, workers).
@@ -20,15 +22,22 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
+from pd_cache.core.pins import RETENTION_TTL_S
 from pd_cache.core.wire import Completion
 
 
 class StreamOptions(msgspec.Struct):
     include_usage: bool = False
+
+
+class Extension(msgspec.Struct, forbid_unknown_fields=True):
+    """pd-cache's own request options (``"pd_cache": {...}``)."""
+
+    pin_ttl_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
 
 
 # NOTE: OpenAI's ranges, checked at decoding so a refusal names the field the client sent.
@@ -57,6 +66,15 @@ class _Common(msgspec.Struct, kw_only=True):
     rid: str | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    pd_cache: Extension | None = None
+    # NOTE: OpenAI's values; "in-memory" is how its SDKs spelled "in_memory" at first.
+    prompt_cache_retention: Literal["in_memory", "in-memory", "24h"] | None = None
+
+    @property
+    def pin_ttl_s(self) -> float:
+        """Seconds to pin the prompt for: the longer of the extension's and the retention's."""
+        own = 0.0 if self.pd_cache is None else self.pd_cache.pin_ttl_s
+        return max(own, RETENTION_TTL_S.get(self.prompt_cache_retention or "", 0.0))
 
     @property
     def new_tokens(self) -> int:

@@ -8,6 +8,7 @@
     POST /v1/generate           token ids in, token ids out (pd-cache's own API)
     GET  /healthz               200 once prefill and decode each have a live worker
     POST /admin/drop_caches     empty every cache tier (admin keys; a benchmark's reset)
+    GET  /admin/tenants/{t}/pins, POST .../pins/drop   a tenant's pins (``front.pinning``)
 
 With an API-key file (``api_keys_file``, ``PD_CACHE_API_KEYS_FILE``) every ``/v1`` route
 needs ``Authorization: Bearer <key>`` and the namespace is derived from the key's tenant
@@ -45,13 +46,14 @@ from pd_cache.cluster.pd_cluster import PDCluster
 from pd_cache.core.request import Req, SamplingParams
 from pd_cache.core.wire import Completion
 from pd_cache.front import openai
-from pd_cache.front.admin import keys_call, purged_tenant
+from pd_cache.front.admin import keys_call, tenant_route
 from pd_cache.front.app_args import AppArgs, IngressConfig
 from pd_cache.front.flow import Admission, Place, primed, unavailable
 from pd_cache.front.guard import TenantGuard, TenantL3
 from pd_cache.front.hf_tokenizer import tokenizer_for
 from pd_cache.front.http import HTTPError, check_rid, decode_json, read_body, value_error
 from pd_cache.front.memory import IdleTrim, malloc_trim
+from pd_cache.front.pinning import PinGate
 from pd_cache.front.tenants import KEYS_ENV, Tenant, Tenants, Unauthorized
 
 log = logging.getLogger(__name__)
@@ -100,6 +102,7 @@ class PDCacheIngress:
         # NOTE: a checkpoint's own tokenizer and chat template; the byte one for presets.
         self.tokenizer = tokenizer_for(self.cluster.pd.model)
         self.admission = Admission(args.ingress.max_pending)
+        self.pins = PinGate(self.cluster, self.tenants, self.guard.metrics)
         self._idle_trim = IdleTrim(malloc_trim())   # a burst's freed heap goes back after it
 
     async def __call__(self, request: Any) -> Any:
@@ -120,9 +123,9 @@ class PDCacheIngress:
                   "/admin/drop_caches": ("POST", self.drop_caches),
                   "/admin/keys/rotate": ("POST", functools.partial(self.keys, "rotate", None)),
                   "/admin/keys/retire": ("POST", functools.partial(self.keys, "retire", None))}
-        purged = purged_tenant(path)
-        if purged is not None:
-            routes[path] = ("POST", functools.partial(self.keys, "purge", purged))
+        routed = tenant_route(path)
+        if routed is not None:
+            routes[path] = (routed[0], functools.partial(self.keys, routed[1], routed[2]))
         if path not in routes:
             raise HTTPError(404, f"no route {path!r}; try one of {sorted(routes)}", None,
                             "not_found")
@@ -158,7 +161,11 @@ class PDCacheIngress:
         return _json(200, {"dropped_pages": dropped})
 
     async def keys(self, action: str, tenant: str | None, request: Any) -> Any:
-        """Rotate or retire the L3 keys, or purge ``tenant`` (``front.admin``); admin keys."""
+        """Rotate or retire the L3 keys, purge ``tenant`` (``front.admin``), list or drop
+        its pins (``front.pinning``); admin keys only."""
+        if action in ("pins", "drop_pins") and tenant is not None:
+            self._admin(request, "a tenant's pins")
+            return _json(200, await self.pins.call(action, tenant))
         self._admin(request, "changing the L3 keys")
         return _json(200, await keys_call(self.cluster, action, tenant))
 
@@ -194,7 +201,9 @@ class PDCacheIngress:
         ids = self._prompt_ids(body, chat)
         sampling = self._sampling(body)
         req, _ = self._request(tenant, ids, body.new_tokens, sampling, body.cache_salt,
-                               body.extra_key, body.rid, openai.client_names(body, chat))
+                               body.extra_key, body.rid, openai.client_names(body, chat),
+                               body.pin_ttl_s)
+        await self.pins.admit(tenant, req)   # a pin over a limit: 400 before any work
         rid = openai.request_id(chat)
         if body.stream:
             return self._sse(req, rid, chat, tenant, body.include_usage, received_ns)
@@ -244,7 +253,8 @@ class PDCacheIngress:
 
     def _request(self, tenant: Tenant, ids: list[int], max_new: int, sampling: SamplingParams,
                  salt: str | None, extra_key: str | None, rid: str | None,
-                 names: Mapping[str, str] | None = None) -> tuple[Req, str]:
+                 names: Mapping[str, str] | None = None, pin_ttl_s: float = 0.0
+                 ) -> tuple[Req, str]:
         """The checked ``Req``; its namespace salt is the tenant's when keys are on. A
         refusal names the field as ``names`` say the client's body called it."""
         self.guard.admit(tenant, len(ids) + max_new)   # the key's rate limits: 429
@@ -261,7 +271,7 @@ class PDCacheIngress:
                   "max_new_tokens": max_new,
                   "sampling": sampling, "cache_salt": salt, "extra_key": extra_key,
                   "deadline": time.time() + self.args.request_timeout_s,
-                  "tenant": tenant.name}
+                  "tenant": tenant.name, "pin_ttl_s": pin_ttl_s}
         try:
             return self.cluster.admit(fields), shown
         except ValueError as exc:

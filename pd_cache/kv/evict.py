@@ -2,7 +2,8 @@
 
 Device pages move to host (copied unless already there) or, when the host has no room,
 are dropped with their subtree; host pages are dropped. A dropped node gives back every
-slot it held, its recurrent state's included. Locked nodes are never touched.
+slot it held, its recurrent state's included. Locked nodes are never touched, nor pinned
+ones until their pin lapses (``pd_cache.kv.pinning``).
 
 The candidates of each tier are kept as the tree changes (``pd_cache.kv.lru``), so an
 eviction costs what it evicts, not a walk of the tree. Whatever sets a slot of a node calls
@@ -14,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from pd_cache.core.events import REMOVED, STORED, EventLog
+from pd_cache.core.pins import Pins
 from pd_cache.core.stats import Stats
 from pd_cache.core.vocab import Event, Tier
 from pd_cache.kv.lru import Candidates
@@ -37,10 +39,12 @@ class Evicting:
     def _log(self, stored: bool, tier: Tier, nodes: list[Node]) -> None:
         if self.journal is not None and nodes:
             self.journal.add(stored, tier.value, [n.name for n in nodes])
+    pins: Pins[Node]
 
     def _init_candidates(self) -> None:
-        self._on_device = Candidates("device_slot", self.device.capacity)
-        self._on_host = Candidates("host_slot", self.host.capacity)
+        held = self.pins.held
+        self._on_device = Candidates("device_slot", self.device.capacity, held)
+        self._on_host = Candidates("host_slot", self.host.capacity, held)
 
     def evict(self, tier: Tier, num_pages: int) -> int:
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 0:
@@ -69,6 +73,7 @@ class Evicting:
 
     def _evict(self, n: int, candidates: Candidates, evictable: Callable[[Node], bool],
                release: Callable[[Node], None]) -> int:
+        self._lapse()
         freed = 0
         while freed < n:
             node = candidates.pop(evictable)
@@ -88,13 +93,20 @@ class Evicting:
         self._on_device.unpin(node)
         self._on_host.unpin(node)
 
+    def _lapse(self) -> None:
+        """Give the nodes whose pins lapsed back to eviction."""
+        for node in self.pins.expired():
+            self._unpinned(node)
+
     def _device_evictable(self, node: Node) -> bool:
         return (node.device_slot is not None and node.lock_ref == 0
-                and all(c.device_slot is None for c in node.children.values()))
+                and all(c.device_slot is None for c in node.children.values())
+                and not self.pins.held(node))
 
     def _host_evictable(self, node: Node) -> bool:
         return (node.host_slot is not None and node.lock_ref == 0
-                and (node.device_slot is not None or not node.children))
+                and (node.device_slot is not None or not node.children)
+                and not self.pins.held(node))
 
     def _demote(self, node: Node) -> None:
         """Device -> host: copy unless already there; drop the subtree if the host is full."""
@@ -139,6 +151,7 @@ class Evicting:
             if n.state_slot is not None:
                 self.states.free([n.state_slot], OWNER)
             n.device_slot = n.host_slot = n.state_slot = None
+            self.pins.drop(n)
             n.children = {}
             n.attached = False
         for tier, nodes in on.items():

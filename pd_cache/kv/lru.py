@@ -11,8 +11,9 @@ A node enters the heap when it may have become evictable: it got a slot of the t
 (``push``), lost a child or a child's device page (``push`` on the parent), or dropped its
 last lock while parked. An entry popped for a node that cannot go now leaves the heap: for
 good if the node is gone or has no slot of the tier (a new slot pushes again), to the
-parked set if the node is locked (``unpin`` pushes it back), and otherwise (it has
-children that keep it) until one of those children leaves.
+parked set if the node is locked or pinned (``unpin`` pushes it back: at its last unlock,
+or when its pin lapses), and otherwise (it has children that keep it) until one of those
+children leaves.
 """
 
 from __future__ import annotations
@@ -26,10 +27,12 @@ from pd_cache.kv.node import Node, iter_nodes
 class Candidates:
     """The nodes that may be evicted from one tier (``slot``: that tier's Node field)."""
 
-    def __init__(self, slot: str, capacity: int) -> None:
+    def __init__(self, slot: str, capacity: int,
+                 held: Callable[[Node], bool] = lambda node: False) -> None:
         self.slot = slot
+        self.held = held   # pinned (``pd_cache.core.pins``): parked like a locked node
         self._heap: list[tuple[int, int, int, Node]] = []
-        self._parked: set[Node] = set()   # popped while locked: pushed back at unlock
+        self._parked: set[Node] = set()   # popped while locked or pinned: pushed back after
         self._limit = 2 * capacity + 8   # past this many entries, drop the stale ones
 
     def __len__(self) -> int:
@@ -45,7 +48,7 @@ class Candidates:
             self._compact()
 
     def unpin(self, node: Node) -> None:
-        """``node``'s last lock was released."""
+        """``node``'s last lock was released, or its pin lapsed."""
         if node in self._parked:
             self._parked.discard(node)
             self.push(node)
@@ -59,7 +62,7 @@ class Candidates:
                 continue
             if last != node.last_access:
                 self.push(node)
-            elif node.lock_ref:
+            elif node.lock_ref or self.held(node):
                 self._parked.add(node)
             elif evictable(node):
                 return node

@@ -6,7 +6,8 @@ no node stores a namespace; the tokens kept on each node guard against a hash co
 
 Device residency is prefix-closed (a node on device has its parent on device), so the
 device pages of a match come before its host pages; ``pd_cache.kv.invariants`` lists the
-rest and ``check_invariants`` verifies them. A node with ``lock_ref > 0`` is pinned.
+rest and ``check_invariants`` verifies them. A node with ``lock_ref > 0`` is locked; a
+request may also pin a prefix for a while (``pd_cache.kv.pinning``).
 
 Eviction is least-recently-used, leaves first: device pages move to host (or are dropped
 when the host has no room), host pages are dropped (``pd_cache.kv.evict``).
@@ -21,12 +22,15 @@ resumable up to its deepest node with a state (``resume_pages``)::
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
 from pd_cache.core.config import WRITE_POLICIES
 from pd_cache.core.events import STORED
+from pd_cache.core.fields import check_fraction
+from pd_cache.core.pins import Pins
 from pd_cache.core.stats import Stats
 from pd_cache.core.vocab import Event
 from pd_cache.kv.base import (
@@ -37,23 +41,27 @@ from pd_cache.kv.base import (
     PrefixCache,
     Tier,
 )
-from pd_cache.kv.evict import OWNER, Evicting
+from pd_cache.kv.evict import OWNER
 from pd_cache.kv.invariants import check_tree
 from pd_cache.kv.node import Node, iter_nodes
 from pd_cache.kv.pages import check_pages
+from pd_cache.kv.pinning import Pinning
 from pd_cache.kv.pool import PagePool
 from pd_cache.kv.state import StatePool, check_states
 
 
-class RadixCache(Evicting, PrefixCache):
+class RadixCache(Pinning, PrefixCache):
     """The prefix cache of one worker; see ``PrefixCache`` for the contract.
 
-    ``states`` (a hybrid model's) holds the recurrent states of checkpoint nodes.
+    ``states`` (a hybrid model's) holds the recurrent states of checkpoint nodes. At most
+    ``max_pinned_fraction`` of a pool is pinned; ``clock`` times the pins.
     """
 
     def __init__(self, device: PagePool, host: PagePool, *,
                  write_policy: str = "write_through", stats: Stats | None = None,
-                 states: StatePool | None = None) -> None:
+                 states: StatePool | None = None, max_pinned_fraction: float = 0.5,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        check_fraction("cache.max_pinned_fraction", max_pinned_fraction)
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"cache.write_policy: expected one of {list(WRITE_POLICIES)}, "
                              f"got {write_policy!r}")
@@ -70,6 +78,7 @@ class RadixCache(Evicting, PrefixCache):
         self.root = Node()
         self._clock = 0
         self._num_locks = 0
+        self.max_pinned_fraction, self.pins = max_pinned_fraction, Pins[Node](clock)
         self._init_candidates()
 
     # -- lookup ---------------------------------------------------------------------------
@@ -299,6 +308,8 @@ class RadixCache(Evicting, PrefixCache):
         self._clock += 1
         for n in self._up(node):
             n.last_access = self._clock
+            if self.pins:   # a hit renews the pins of its path
+                self.pins.touch(n)
 
     def _up(self, node: Node) -> Iterator[Node]:
         n: Node | None = node

@@ -97,6 +97,8 @@ class PDCacheMetrics:
 
     def set_tenant_l3_bytes(self, tenant: str, nbytes: int) -> None:
         self._record("pd_cache_tenant_l3_bytes", nbytes, "nbytes", tenant=tenant)
+    def set_tenant_pinned_bytes(self, tenant: str, nbytes: int) -> None:
+        self._record("pd_cache_tenant_pinned_bytes", nbytes, "nbytes", tenant=tenant)
 
     # -- L3 ----------------------------------------------------------------------------
     def count_miss(self, reason: MissReason | str, n: int = 1) -> None:

@@ -150,6 +150,9 @@ METRICS: tuple[MetricSpec, ...] = (
        "Requests of a key file's tenant refused (429) by its key's rate limits."),
     _g("pd_cache_tenant_l3_bytes", ("tenant",),
        "L3 bytes a key file's tenant holds, over every shard (its quota bounds it)."),
+    _g("pd_cache_tenant_pinned_bytes", ("tenant",),
+       "KV bytes of a key file's tenant's pinned pages (each page once, whatever holds it), "
+       "as the ingress last counted them (a pinning request, an admin list or drop)."),
 )
 METRIC_NAMES: dict[str, MetricSpec] = {spec.name: spec for spec in METRICS}
 RAY_PREFIX = "ray_"

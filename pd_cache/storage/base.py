@@ -1,5 +1,4 @@
 """The L3 storage interface: what a backend, a tier actor and the sharded client implement.
-
 Keys are page names (``bytes`` of the hash algo's digest size; lowercase hex text is
 accepted too). Values are :class:`~pd_cache.storage.record.PageRecord`.
 
@@ -38,14 +37,15 @@ class ExtraInfo(msgspec.Struct, frozen=True, gc=False):
     It is per operation: in a v2 call the operation's keys are its longest key list (the
     KV pool's); a sidecar pool may cover only a trailing run, with the priors there.
     Accumulate it per batch as ``prefix_keys = prefix_keys + batch``: never mutate a list
-    already handed over. ``request_id`` only labels log lines. ``tenant`` names whose
-    key seals the pages (``pd_cache.storage.seal``, which drops it before a store sees it).
+    already handed over. ``request_id`` only labels log lines. ``tenant`` names whose key
+    seals the pages (``storage.seal`` drops it); ``pin_ttl_s`` (``storage.pinned``).
     """
 
     prefix_keys: Sequence[Key] | None = None
     namespace_seed: bytes | None = None
     request_id: str | None = None
     tenant: str | None = None
+    pin_ttl_s: float | None = None
 
 
 class PoolTransfer(msgspec.Struct, frozen=True, gc=False):

@@ -27,6 +27,9 @@ each owner's pages keep an order of their own (one ``TailFirst`` each, on one cl
 so an owner within its quota loses no page to another's writes, and a writer over its
 quota loses its own tails (:meth:`Shares.excess`), or its new page when nothing else of
 it may go.
+
+Pinned records (``pd_cache.storage.pinned``): a victim that ``held`` says is pinned is set
+aside, not returned, until ``release`` says its pin lapsed.
 """
 
 from __future__ import annotations
@@ -42,7 +45,24 @@ Owner = bytes | None      # a sealed record's owner label; ``None``: unsealed (n
 
 
 class EvictionPolicy(ABC):
-    """The order in which a store gives up its records (the store owns the bytes)."""
+    """The order in which a store gives up its records (the store owns the bytes).
+
+    ``held(slot)``: whether ``slot`` is pinned now; a held slot is never the victim.
+    """
+
+    def __init__(self, held: Callable[[Slot], bool] = lambda slot: False) -> None:
+        self.held = held
+        self._aside: set[Slot] = set()   # held victims: offered again at ``release``
+
+    def release(self, slot: Slot) -> None:
+        """``slot``'s pin lapsed (or was dropped): it may be the victim again."""
+        if slot in self._aside:
+            self._aside.discard(slot)
+            self._offer(slot)
+
+    @abstractmethod
+    def _offer(self, slot: Slot) -> None:
+        """``slot`` may be a victim (again)."""
 
     @abstractmethod
     def add(self, slot: Slot, parent: Slot, *, orphan: bool = False) -> None:
@@ -77,7 +97,9 @@ class TailFirst(EvictionPolicy):
     ``add``, ``touch`` and ``remove`` cost O(log n), ``victim`` O(log n) amortized.
     """
 
-    def __init__(self, clock: Callable[[], int] | None = None) -> None:
+    def __init__(self, clock: Callable[[], int] | None = None,
+                 held: Callable[[Slot], bool] = lambda slot: False) -> None:
+        super().__init__(held)
         self._clock = clock or itertools.count(1).__next__
         self._ticks: dict[Slot, int] = {}
         self._parent: dict[Slot, Slot] = {}
@@ -98,6 +120,7 @@ class TailFirst(EvictionPolicy):
             self._offer(slot)
 
     def remove(self, slot: Slot) -> None:
+        self._aside.discard(slot)
         tick = self._ticks.pop(slot, None)
         if tick is None:
             return
@@ -113,7 +136,9 @@ class TailFirst(EvictionPolicy):
         while self._leaves:
             tick, slot = self._leaves[0]
             if self._ticks.get(slot) == tick and slot not in self._children:
-                return slot
+                if not self.held(slot):
+                    return slot
+                self._aside.add(slot)
             heapq.heappop(self._leaves)
         return None
 
@@ -124,7 +149,7 @@ class TailFirst(EvictionPolicy):
         return self._clock()
 
     def _offer(self, slot: Slot) -> None:
-        if slot in self._children:
+        if slot not in self._ticks or slot in self._children:
             return  # not a leaf: it is offered again once its last child goes
         heapq.heappush(self._leaves, (self._ticks[slot], slot))
         if len(self._leaves) > 2 * len(self._ticks) + 64:
@@ -139,14 +164,16 @@ class TailFirst(EvictionPolicy):
 class Shares(EvictionPolicy):
     """Tails first per owner label, within each owner's quota (see the module docstring).
 
-    ``held``: bytes stored per owner; ``quotas``: bytes per owner label (absent: none).
+    ``owned``: bytes stored per owner; ``quotas``: bytes per owner label (absent: none);
+    ``held``: as :class:`EvictionPolicy`'s, for every owner's pages.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, held: Callable[[Slot], bool] = lambda slot: False) -> None:
+        super().__init__(held)
         self._clock = itertools.count(1).__next__
         self._policies: dict[Owner, TailFirst] = {}
         self._slots: dict[Slot, tuple[Owner, int]] = {}
-        self.held: Counter[Owner] = Counter()
+        self.owned: Counter[Owner] = Counter()
         self.quotas: dict[bytes, int] = {}
 
     def add(self, slot: Slot, parent: Slot, *, orphan: bool = False, owner: Owner = None,
@@ -155,10 +182,10 @@ class Shares(EvictionPolicy):
         self.remove(slot)
         policy = self._policies.get(owner)
         if policy is None:
-            policy = self._policies[owner] = TailFirst(self._clock)
+            policy = self._policies[owner] = TailFirst(self._clock, self.held)
         policy.add(slot, parent, orphan=orphan)
         self._slots[slot] = (owner, nbytes)
-        self.held[owner] += nbytes
+        self.owned[owner] += nbytes
 
     def touch(self, slot: Slot) -> None:
         if slot in self._slots:
@@ -168,7 +195,7 @@ class Shares(EvictionPolicy):
         owner, nbytes = self._slots.pop(slot, (None, -1))
         if nbytes >= 0:
             self._policies[owner].remove(slot)
-            self.held[owner] -= nbytes
+            self.owned[owner] -= nbytes
 
     def victim(self) -> Slot | None:
         return self.excess() or self._oldest(o for o in self._policies
@@ -177,6 +204,13 @@ class Shares(EvictionPolicy):
 
     def rank(self, slot: Slot) -> int:
         return self._policies[self._slots[slot][0]].rank(slot)
+
+    def release(self, slot: Slot) -> None:
+        self._offer(slot)
+
+    def _offer(self, slot: Slot) -> None:
+        if slot in self._slots:
+            self._policies[self._slots[slot][0]].release(slot)
 
     def owner(self, slot: Slot) -> Owner:
         return self._slots[slot][0]
@@ -187,7 +221,7 @@ class Shares(EvictionPolicy):
     def over(self, owner: Owner) -> bool:
         """Whether ``owner`` holds more than its quota."""
         quota = self.quota(owner)
-        return quota is not None and self.held[owner] > quota
+        return quota is not None and self.owned[owner] > quota
 
     def excess(self, owner: Owner = None) -> Slot | None:
         """The next tail of ``owner`` (``None``: of any owner) over its quota, if any

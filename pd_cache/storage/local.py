@@ -1,9 +1,11 @@
-"""The logic every in-process backend shares: index, bound, verification, counting.
+"""The logic every in-process backend shares: index, bound, verification, counting, pins.
 
-A subclass only says where a record's bytes live (:meth:`LocalBackend._write`, ``_read``,
-``_delete``, ``_footprint``; ``_write_all`` to keep a batch together). The index maps ``(pool,
-name)`` to the record's header and size, so ``exists`` and the chain check never touch the
-bytes; the eviction policy (``pd_cache.storage.eviction``) keeps the order records go in.
+A subclass only says where a record's bytes live (:meth:`LocalBackend._write`,
+``_read``, ``_delete``, ``_footprint``; ``_write_all`` to keep a batch together). The
+index maps ``(pool, name)`` to the record's header and size, so ``exists`` and the chain
+check never touch the bytes; the eviction policy (``pd_cache.storage.eviction``) keeps the
+order in which records go: the least recently used chain first, from its tail, within
+each owner's quota.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pd_cache.storage.batch import Batch, check_batch, normalize_keys, usable_hi
 from pd_cache.storage.entries import Entry, Link, Refusal, key_of, link_of, owner_of, refusal_of
 from pd_cache.storage.eviction import Shares, Slot
 from pd_cache.storage.owners import OwnerShares
+from pd_cache.storage.pinned import RecordPins
 from pd_cache.storage.record import (
     CHECKPOINT_POOLS,
     KV_POOL,
@@ -62,12 +65,13 @@ class LocalBackend(OwnerShares, StorageBackend):
             raise ValueError(f"algo: unknown hash algorithm {algo!r}")
         self.layout, self.algo, self.capacity_bytes = layout, algo, capacity_bytes
         self._index: dict[Slot, Entry] = {}
-        self._policy = Shares()
+        self._lock = threading.RLock()
+        self.pins = RecordPins(capacity_bytes, lock=self._lock)   # fraction: tier_backend
+        self._policy = Shares(self.pins.held)
         self._ghosts: OrderedDict[Slot, MissReason] = OrderedDict()   # why each one went
         self._warned: set[MissReason] = set()
         self._used = 0
         self._stats = Stats()
-        self._lock = threading.RLock()
 
     @classmethod
     def from_config(cls, config: StorageConfig, layout: KVLayout, *, algo: str = "xxh3_128",
@@ -122,7 +126,8 @@ class LocalBackend(OwnerShares, StorageBackend):
             self._check_fits(b.pages or [])
         prefix = _prefix_tail(extra_info, self.algo)
         with self._lock:
-            return [self._put_all(b, prefix + b.keys, len(prefix)) for b in batches]
+            return self.pins.pin_stored(batches, [self._put_all(b, prefix + b.keys, len(
+                prefix)) for b in batches], self._index, extra_info and extra_info.pin_ttl_s)
 
     def clear(self) -> int:
         """Delete every record (an operator's reset, not eviction: nothing is counted as
@@ -189,6 +194,7 @@ class LocalBackend(OwnerShares, StorageBackend):
 
     def _served(self, slot: Slot) -> None:
         self._policy.touch(slot)
+        self.pins.touch(slot)
         self._touched(slot)
         self._stats.count(Event.HIT)
 
@@ -306,6 +312,7 @@ class LocalBackend(OwnerShares, StorageBackend):
     def _evict_until(self, budget: int, keep: Container[Slot] = ()) -> None:
         """Evict tails first until at most ``budget`` bytes are held, or the next victim
         is one of ``keep`` (or there is none)."""
+        self.pins.lapse(self._policy.release)
         while self._used > budget and (slot := self._policy.victim()) is not None \
                 and slot not in keep:
             self._evict(slot)
@@ -326,6 +333,7 @@ class LocalBackend(OwnerShares, StorageBackend):
             self._used -= entry.nbytes
             if self.journal is not None and slot[0] == KV_POOL:
                 self.journal.add(REMOVED, STORAGE_TIER, (slot[1],))
+        self.pins.drop(slot)
         self._policy.remove(slot)
         self._delete(slot)
 

@@ -55,7 +55,7 @@ class OwnerShares:
     def owner_bytes(self) -> dict[bytes, int]:
         """Bytes held per owner label (sealed records only)."""
         with self._lock:
-            return {o: n for o, n in self._policy.held.items() if o is not None and n}
+            return {o: n for o, n in self._policy.owned.items() if o is not None and n}
 
     def _fit_quota(self, slot: Slot) -> bool:
         """Evict tails of ``slot``'s owner while it is over its quota; ``False`` (the page

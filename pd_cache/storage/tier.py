@@ -25,6 +25,7 @@ from pd_cache.core.vocab import STORAGE_OPS, StorageOp
 from pd_cache.storage import make_backend
 from pd_cache.storage.base import ExtraInfo, PoolHits, PoolTransfer, StorageBackend, Usage
 from pd_cache.storage.exporter import StatsExporter
+from pd_cache.storage.local import LocalBackend
 from pd_cache.storage.shared import SharedMemoryBackend, SharedPages
 
 log = logging.getLogger(__name__)
@@ -115,6 +116,17 @@ class StorageTier:
             raise ValueError(f"backend {type(self.backend).__name__} cannot be emptied")
         return clear()
 
+    def pins(self, owner: str) -> dict[str, Any]:
+        """The records pinned here by ``owner`` (an owner label, hex; ``storage.pinned``)."""
+        pins = getattr(self.backend, "pins", None)
+        return {"names": [], "bytes": 0, "expires_in_s": 0.0} if pins is None \
+            else pins.listing(owner)
+
+    def drop_pins(self, owner: str) -> int:
+        """Unpin ``owner``'s records here (they stay stored); how many."""
+        pins = getattr(self.backend, "pins", None)
+        return 0 if pins is None else len(pins.drop_owner(owner))
+
     def stats(self) -> dict[str, int]:
         return self.backend.stats()
 
@@ -135,10 +147,13 @@ def tier_backend(config: PDCacheConfig, shard: int = 0) -> StorageBackend:
     """The shard's backend; in a Ray process, ``memory`` keeps records in the object store."""
     algo = config.cache.hash_algo
     if config.storage.backend != "memory" or not _in_ray():
-        return make_backend(config.storage, config.layout, algo=algo, shard=shard)
-    backend = SharedMemoryBackend.from_config(config.storage, config.layout, algo=algo,
-                                              shard=shard)
-    _warn_if_spilling(backend.capacity_bytes)
+        backend = make_backend(config.storage, config.layout, algo=algo, shard=shard)
+    else:
+        backend = SharedMemoryBackend.from_config(config.storage, config.layout, algo=algo,
+                                                  shard=shard)
+        _warn_if_spilling(backend.capacity_bytes)
+    if isinstance(backend, LocalBackend):   # NOTE: no more of the shard pinned than this
+        backend.pins.limit(config.cache.max_pinned_fraction)
     return backend
 
 

@@ -83,7 +83,7 @@ class StorageLink:
 
     def info(self, req: Req, chain: Chain, prefix: list[bytes] | None) -> ExtraInfo:
         return ExtraInfo(prefix_keys=prefix, namespace_seed=chain.seed, request_id=req.rid,
-                         tenant=req.tenant)
+                         tenant=req.tenant, pin_ttl_s=req.pin_ttl_s or None)
 
     def start_prefix(self, chain: Chain) -> list[bytes] | None:
         """``prefix_keys`` of the chain's first batch (``None``: the feature is off)."""

@@ -262,8 +262,11 @@ class DecodeCache:
         key = CacheKey.for_request(req, tokens[:n], page_size=self.page_size, algo=self.algo)
         pages = kv_to_pages(buf[:, :, :n], self.page_size)
         with self.lock:
-            self.cache.insert(key, pages, req.namespace_seed(self.algo),
-                              {i: s for i, s in states.items() if i < full})
+            kept = self.cache.insert(key, pages, req.namespace_seed(self.algo),
+                                     {i: s for i, s in states.items() if i < full})
+            if req.pin_ttl_s:   # the prompt's pages, not the answer's
+                self.cache.pin(kept.node, req.pin_ttl_s, req.tenant,
+                               len(req.input_ids) // self.page_size)
 
     def close(self) -> None:
         """Release every reservation (the worker is going away)."""

@@ -83,7 +83,8 @@ class LocalEngine(Decoding):
                                      self.layout, device) if self.layout.has_state else None)
         self.cache = RadixCache(self.device_pool, self.host_pool,
                                 write_policy=self.config.cache.write_policy, stats=self.stats,
-                                states=self.state_pool)
+                                states=self.state_pool,
+                                max_pinned_fraction=self.config.cache.max_pinned_fraction)
         self.controller: CacheController | None = None
         self.offload: DecodeOffloadManager | None = None
         if storage is not None and self.config.storage.enabled:
@@ -163,7 +164,9 @@ class LocalEngine(Decoding):
         kv_to_pages(out.kv, self.page_size, out=pages[done:])
         kept = {} if out.states is None else dict(zip(
             checkpoints(done, key.num_pages - 1, self.state_every), out.states))
-        self.cache.insert(key, pages, seed, {**known, **kept})
+        inserted = self.cache.insert(key, pages, seed, {**known, **kept})
+        if req.pin_ttl_s:
+            self.cache.pin(inserted.node, req.pin_ttl_s, req.tenant)
         if self.controller is not None:
             # NOTE: writes skip what L3 holds: what it supplied, and what the index says it
             # holds past that (unless the read found the index stale).

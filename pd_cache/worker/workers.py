@@ -34,6 +34,7 @@ from pd_cache.core.config import PDCacheConfig
 from pd_cache.core.request import Req, compute_prefix_hash
 from pd_cache.core.vocab import TIERS, Event, MissReason, namespace_kind
 from pd_cache.core.wire import DecodeInfo, PrefillInfo, WorkerState
+from pd_cache.kv.pinning import PinnedPage
 from pd_cache.metrics import PDCacheMetrics
 from pd_cache.worker.batching import DecodeBatcher
 from pd_cache.worker.decode_cache import DecodeCache, Joined
@@ -89,6 +90,19 @@ class _Worker:
         dropped = self.engine.cache.drop_where(lambda node: node.seed in seeds)
         self._set_pools()
         return dropped
+
+    def pins(self, tenant: str) -> list[PinnedPage]:
+        """``tenant``'s pinned pages here (``RadixCache.pinned``)."""
+        with self._cache_held():
+            return self.engine.cache.pinned(tenant)
+
+    def drop_pins(self, tenant: str) -> int:
+        """Unpin ``tenant``'s pages here (they stay cached); how many."""
+        with self._cache_held():
+            return self.engine.cache.drop_pins(tenant)
+
+    def _cache_held(self) -> AbstractContextManager[Any]:
+        return contextlib.nullcontext()
 
     def state(self) -> WorkerState:
         return WorkerState(self.worker_id, self.role, self.engine.locks_held(),

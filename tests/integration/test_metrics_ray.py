@@ -51,6 +51,7 @@ class MetricsProbe:
         m.count_tenant_cached_tokens("acme", 64)
         m.count_rate_limited("acme")
         m.set_tenant_l3_bytes("acme", 5 * 4096)
+        m.set_tenant_pinned_bytes("acme", 3 * 4096)
         m.count_offload("generated", 2)
         m.set_pool("host", 7, 1024)
         m.set_storage_usage(3 * 4096, 1 << 20, "memory")
@@ -116,6 +117,7 @@ def expected() -> Samples:
         key("pd_cache_tenant_cached_tokens_total", tenant="acme"): 64,
         key("pd_cache_tenant_rate_limited_total", tenant="acme"): 1,
         key("pd_cache_tenant_l3_bytes", tenant="acme"): 5 * 4096,
+        key("pd_cache_tenant_pinned_bytes", tenant="acme"): 3 * 4096,
         key("pd_cache_prefetch_pages_total", backend="memory", outcome="ok"): 3,
         key("pd_cache_prefetch_bytes_total", backend="memory", outcome="ok"): 3 * 4096,
         key("pd_cache_prefetch_seconds_count", backend="memory", outcome="ok"): 1,

@@ -12,14 +12,7 @@ from pd_cache.front.keyfile import KeyRate, Tenant
 from pd_cache.front.limits import RateLimiter, TokenBucket, duration, retry_headers
 from pd_cache.front.tenants import Tenants
 from pd_cache.metrics import PDCacheMetrics
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.unit.clock import Clock
 
 
 def test_a_bucket_refills_at_its_rate_up_to_its_capacity() -> None:

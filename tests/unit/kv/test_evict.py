@@ -2,7 +2,9 @@
 
 The oracle is the eviction the candidates replaced, kept here on its own: every call it
 heaps every evictable node of the tree. Two caches take the same random steps and must
-agree after each one, node for node, slot for slot, and keep the pool invariants.
+agree after each one, node for node, slot for slot, and keep the pool invariants. Steps
+include pins with a TTL on one clock the twins share, and the clock moving on: the oracle
+sees a pin only through ``evictable`` (a pinned node is not), the candidates park it.
 """
 
 from __future__ import annotations
@@ -37,9 +39,11 @@ def pools(device: int, host: int) -> tuple[PagePool, PagePool]:
 
 
 def tree(cache: RadixCache) -> list[tuple[object, ...]]:
-    """Every node: its path of names, slots, locks and stamp (``seq`` differs by cache)."""
+    """Every node: its path of names, slots, locks, stamp (``seq`` differs by cache) and
+    whether it is pinned."""
     return sorted((tuple(p.name for p in n.path()), n.device_slot, n.host_slot, n.lock_ref,
-                   n.own_locks, n.last_access) for n in iter_nodes(cache.root))
+                   n.own_locks, n.last_access, cache.pins.held(n))
+                  for n in iter_nodes(cache.root))
 
 
 class Twins:
@@ -47,8 +51,10 @@ class Twins:
 
     def __init__(self, rng: random.Random, policy: str) -> None:
         device, host = rng.randint(1, 12), rng.randint(0, 12)
-        self.rng = rng
-        self.caches = [cls(*pools(device, host), write_policy=policy)
+        self.rng, self.now = rng, 0.0
+        fraction = rng.choice([0.0, 0.5, 1.0])
+        self.caches = [cls(*pools(device, host), write_policy=policy,
+                           max_pinned_fraction=fraction, clock=lambda: self.now)
                        for cls in (RadixCache, ScanCache)]
         self.locks: list[list[MatchResult]] = []
 
@@ -58,8 +64,9 @@ class Twins:
 
     def step(self) -> str:
         op = self.rng.choice(["insert", "insert", "match", "match", "lock", "unlock",
-                              "evict", "evict", "clear"] if self.locks or self.rng.random()
-                             < 0.5 else ["insert", "match", "lock", "evict"])
+                              "evict", "evict", "clear", "pin", "tick", "drop_pins"]
+                             if self.locks or self.rng.random() < 0.5
+                             else ["insert", "match", "lock", "evict", "pin", "tick"])
         if op == "unlock" and self.locks:
             for cache, m in zip(self.caches, self.locks.pop(self.rng.randrange(
                     len(self.locks))), strict=True):
@@ -71,6 +78,13 @@ class Twins:
             return op
         if op == "clear":
             self.same(lambda c: c.clear())
+            return op
+        if op == "tick":
+            self.now += self.rng.choice([0.5, 1.0, 3.0])
+            return op
+        if op == "drop_pins":
+            owner = self.rng.choice([None, "a", "b"])
+            self.same(lambda c: c.drop_pins(owner))
             return op
         k = self.key()
         if op == "insert":
@@ -84,6 +98,10 @@ class Twins:
             for c, m in zip(self.caches, matches, strict=True):
                 c.lock(m.node)
             self.locks.append(matches)
+        if op == "pin":
+            ttl, owner = self.rng.choice([1.0, 2.0, 5.0]), self.rng.choice(["a", "b"])
+            got = [c.pin(m.node, ttl, owner) for c, m in zip(self.caches, matches, strict=True)]
+            assert got[0] == got[1]
         return op
 
     def same(self, call: Callable[[RadixCache], object]) -> None:
@@ -95,6 +113,8 @@ class Twins:
         assert tree(cache) == tree(oracle)
         for c in self.caches:
             c.check_invariants()
+            assert len(c.pins) <= c.max_pinned_pages
+        assert sorted(cache.pinned()) == sorted(oracle.pinned())
         # NOTE: stale entries are compacted away: the heaps stay bounded by the pools.
         assert len(cache._on_device) <= 2 * cache.device.capacity + 8
         assert len(cache._on_host) <= 2 * cache.host.capacity + 8
@@ -119,7 +139,8 @@ def test_evictions_match_a_full_scan_step_for_step(policy: str) -> None:
             ops.add(twins.step())
             twins.check()
         twins.finish()
-    assert ops == {"insert", "match", "lock", "unlock", "evict", "clear"}
+    assert ops == {"insert", "match", "lock", "unlock", "evict", "clear", "pin", "tick",
+                   "drop_pins"}
 
 
 def test_an_eviction_looks_at_what_it_evicts_not_at_the_whole_tree() -> None:

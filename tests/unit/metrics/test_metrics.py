@@ -93,6 +93,7 @@ def test_every_instrument_is_served_over_http(served):
     metrics.count_tenant_cached_tokens("acme", 16)
     metrics.count_rate_limited("acme")
     metrics.set_tenant_l3_bytes("acme", 5 << 20)
+    metrics.set_tenant_pinned_bytes("acme", 4096)
 
     got = scrape(url)
     names = {name for name, _ in got}

@@ -36,7 +36,7 @@ def test_the_order_pages_go_in_with_quotas() -> None:
     u = chain_of(p, U, "u", 2)            # no quota: shares the rest (the oldest first)
     n = chain_of(p, N, "n", 4)            # 40 bytes over a quota of 20: goes first
     v = chain_of(p, None, "v", 1)         # unsealed: no quota either
-    assert p.held == {Q: 30, U: 20, N: 40, None: 10}
+    assert p.owned == {Q: 30, U: 20, N: 40, None: 10}
     assert p.over(N) and not p.over(Q) and not p.over(U) and not p.over(None)
     assert p.excess(Q) is None and p.excess(N) == n[3] == p.excess()
     # N's own tails until it is within its quota; then the unquoted owners' least recently

@@ -1,0 +1,159 @@
+"""Pinned prefixes over HTTP, with API keys: a pinned system prompt outlives a flood that
+evicts an unpinned one from every tier, a pin over the tenant's ``max_pinned_bytes`` is
+refused before any work, and the admin routes list and drop a tenant's pins. Real HTTP on
+127.0.0.1, the real ``openai`` client, a small pool and L3 so that a few prompts flood them."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from pd_cache import ModelConfig, Req, reference_generate
+from pd_cache.core.config import CacheConfig, PDCacheConfig
+from pd_cache.front.tokenizer import ByteTokenizer
+from pd_cache.model.model import Model
+
+openai = pytest.importorskip("openai")
+serve = pytest.importorskip("ray.serve")
+ray = pytest.importorskip("ray")
+
+from pd_cache.cluster.operations import NAMESPACE  # noqa: E402
+from tests.integration.metrics_port import samples  # noqa: E402
+from tests.integration.serving import running_app  # noqa: E402  (needs ray[serve])
+
+NAME, APP = "pd-cache-pins", "pd-cache-pins-app"
+MODEL = ModelConfig.preset("tiny")
+PS = 4
+PAGE_BYTES = PDCacheConfig(model=MODEL, cache=CacheConfig(page_size=PS)).layout.page_nbytes
+MAX_PINNED = 16 * PAGE_BYTES          # the tenant's limit: 16 pages
+# NOTE: "pinner"'s second key is an admin one: its answers show cached tokens by tier.
+KEYS = {"keys": {"sk-pins-0001": "pinner", "sk-pins-0002": {"tenant": "pinner", "admin": True},
+                 "sk-ops-00003": {"tenant": "ops", "admin": True}},
+        "tenants": {"pinner": {"max_pinned_bytes": MAX_PINNED}}}
+# NOTE: 32 pages per pool (at most 16 pinned), L3 of about 40 pages: ten prompts of 11
+# pages flood them all.
+ARGS = {"model": "tiny", "page_size": PS, "num_prefill": 1, "num_decode": 1, "num_storage": 1,
+        "device_pages": 32, "host_pages": 32, "storage_capacity_bytes": 40 * PAGE_BYTES,
+        "cluster_name": NAME}
+TOK = ByteTokenizer(MODEL.vocab_size)
+PIN = {"pd_cache": {"pin_ttl_s": 600}}
+
+
+@pytest.fixture(scope="module")
+def url(serve_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    from pd_cache import PDCluster
+
+    keys = tmp_path_factory.mktemp("keys") / "keys.json"
+    keys.write_text(json.dumps(KEYS))
+    try:
+        with running_app(serve_url, ARGS | {"api_keys_file": str(keys)}, APP) as url:
+            yield url
+    finally:
+        PDCluster.destroy(NAME)
+
+
+def client(url: str, key: str) -> Any:
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def chat(who: Any, system: str, question: str, model: Model, tier: str | None = None,
+         **extra: Any) -> int:
+    """Ask; check the answer is the no-cache model's; the prompt tokens found cached (in
+    ``tier``: an admin key's answer says)."""
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    out = who.chat.completions.create(model="tiny", messages=messages, max_tokens=3,
+                                      extra_body=extra or None)
+    want = reference_generate(model, Req(rid="ref", input_ids=TOK.chat(messages),
+                                         max_new_tokens=3)).output_ids
+    assert out.choices[0].model_extra["token_ids"] == want
+    if tier is not None:
+        return out.model_extra["pd_cache"]["cached_tokens"][tier]
+    return out.usage.prompt_tokens_details.cached_tokens
+
+
+def admin(url: str, path: str, key: str = "sk-ops-00003") -> tuple[int, dict[str, Any]]:
+    import urllib.error
+    import urllib.request
+
+    method = "POST" if path.endswith("/drop") else "GET"
+    request = urllib.request.Request(url + path, data=b"" if method == "POST" else None,
+                                     headers={"Authorization": f"Bearer {key}"}, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def test_a_pinned_system_prompt_outlives_a_flood_within_the_tenants_limit(
+        url: str, ray_cluster: Any) -> None:
+    model, pinner = Model(MODEL), client(url, "sk-pins-0001")
+    pinned = "You are the pinned assistant of acme. "
+    unpinned = "Zeta's helper answers briefly, always. "   # no first page in common
+    assert chat(pinner, pinned, "q0", model, **PIN) == 0
+    assert chat(pinner, unpinned, "q0", model) == 0
+    status, held = admin(url, "/admin/tenants/pinner/pins")
+    pages = len(TOK.chat([{"role": "system", "content": pinned},
+                          {"role": "user", "content": "q0"}])) // PS
+    assert status == 200 and held["pages"] == pages and held["bytes"] == pages * PAGE_BYTES
+    assert 590 < held["expires_in_s"] <= 600 and held["on_workers"] >= pages, held
+    assert held["on_storage"] == pages and len(held["names"]) == pages, held
+    assert admin(url, "/admin/tenants/pinner/pins", "sk-pins-0001")[0] == 403
+    for i in range(10):                   # unique prompts of 11 pages: every tier floods
+        chat(pinner, f"flood {i} " + "x" * 30, "q", model)
+    status, after = admin(url, "/admin/tenants/pinner/pins")   # every pin held on
+    assert (after["pages"], after["on_workers"], after["on_storage"]) == \
+        (pages, held["on_workers"], pages), after
+    system_pages = len(TOK.chat([{"role": "system", "content": pinned}])) // PS
+    assert chat(client(url, "sk-pins-0002"), pinned, "q1", model, "device") \
+        >= system_pages * PS                                          # from L1
+    assert chat(pinner, unpinned, "q1", model) == 0                 # gone from every tier
+    # over max_pinned_bytes (OpenAI's 24 h retention is a pin): refused before any work
+    other = "Another long system prompt to pin. "
+    with pytest.raises(openai.BadRequestError) as err:
+        chat(pinner, other, "q0", model, prompt_cache_retention="24h")
+    assert err.value.body["param"] == "max_pinned_bytes", err.value.body
+    assert f"max_pinned_bytes={MAX_PINNED}" in err.value.message
+    with pytest.raises(openai.BadRequestError) as err:
+        chat(pinner, other, "q0", model, prompt_cache_retention="1h")
+    assert err.value.body["param"] == "prompt_cache_retention"
+    assert pinned_gauge(ray_cluster.metrics_port) == pages * PAGE_BYTES
+    status, dropped = admin(url, "/admin/tenants/pinner/pins/drop")
+    assert status == 200 and dropped["dropped_pins"] >= 2 * pages, dropped
+    assert admin(url, "/admin/tenants/pinner/pins")[1]["pages"] == 0
+    assert chat(pinner, other, "q0", model, prompt_cache_retention="24h") == 0   # nothing
+    assert admin(url, "/admin/tenants/pinner/pins")[1]["pages"] > 0   # was computed before
+    assert admin(url, "/admin/tenants/pinner/pins/drop")[0] == 200
+    assert_empty_after_drop(url)
+
+
+def pinned_gauge(port: int) -> float | None:
+    """``pd_cache_tenant_pinned_bytes{tenant="pinner"}`` once exported (or after 30 s)."""
+    deadline = time.monotonic() + 30
+    while True:
+        got = [s.value for s in samples(port) if s.name == "ray_pd_cache_tenant_pinned_bytes"
+               and s.labels.get("tenant") == "pinner"]
+        if got or time.monotonic() > deadline:
+            return got[0] if got else None
+        time.sleep(0.5)
+
+
+def assert_empty_after_drop(url: str) -> None:
+    """After an admin drop of every cache, no lock, no slot and no L3 record is left."""
+    import urllib.request
+
+    request = urllib.request.Request(url + "/admin/drop_caches", data=b"", method="POST",
+                                     headers={"Authorization": "Bearer sk-ops-00003"})
+    with urllib.request.urlopen(request, timeout=30) as resp:
+        assert resp.status == 200
+    workers = [ray.get_actor(f"{NAME}/{role}-0", namespace=NAMESPACE)
+               for role in ("prefill", "decode")]
+    for state in ray.get([w.state.remote() for w in workers]):
+        assert state.locks == 0, state
+        assert all(not owners for owners in state.pool_usage.values()), state
+    shard = ray.get_actor(f"{NAME}/storage-0", namespace=NAMESPACE)
+    assert ray.get(shard.usage.remote()).records == 0
