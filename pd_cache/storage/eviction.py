@@ -97,8 +97,8 @@ class TailFirst(EvictionPolicy):
     ``add``, ``touch`` and ``remove`` cost O(log n), ``victim`` O(log n) amortized.
     """
 
-    def __init__(self, clock: Callable[[], int] | None = None,
-                 held: Callable[[Slot], bool] = lambda slot: False) -> None:
+    def __init__(self, held: Callable[[Slot], bool] = lambda slot: False, *,
+                 clock: Callable[[], int] | None = None) -> None:
         super().__init__(held)
         self._clock = clock or itertools.count(1).__next__
         self._ticks: dict[Slot, int] = {}
@@ -182,7 +182,7 @@ class Shares(EvictionPolicy):
         self.remove(slot)
         policy = self._policies.get(owner)
         if policy is None:
-            policy = self._policies[owner] = TailFirst(self._clock, self.held)
+            policy = self._policies[owner] = TailFirst(self.held, clock=self._clock)
         policy.add(slot, parent, orphan=orphan)
         self._slots[slot] = (owner, nbytes)
         self.owned[owner] += nbytes
