@@ -38,8 +38,12 @@ the small-batch size, as the transport check).
 Sealed rows (1 tier actor, ``storage.batch_pages`` calls): the worker's view of L3
 (``storage.seal.SealedStorage``) three ways over one client, side by side in each
 repetition: unsealed (``storage.seal: false``), sealed with AES-256-GCM, sealed with
-ChaCha20-Poly1305. ``set`` builds, seals and stores the records; ``get`` opens (or
-verifies) them; ``get+copy`` also copies each page into the pool. Keys
+ChaCha20-Poly1305, each as a worker builds it (a set seals into one kept buffer; the
+client puts each shard's records once). ``set`` builds, seals and stores the records;
+``get`` is the worker's read path: each page lands in its pool slot, opened there (sealed)
+or verified and copied there (unsealed), on both cores; ``get_fresh`` is a ``batch_get``
+with no destination (unsealed: views of the object store, nothing written; sealed: opened
+into new memory). Keys
 ``sealed_get_vs_memcpy``, ``sealed_get_vs_unsealed``, ``sealed_set_vs_memcpy``;
 ``--sealed-only`` runs just these rows (``results/storage_sealed.json``).
 
@@ -84,7 +88,7 @@ from pd_cache.storage import STATE_POOL, ExtraInfo, PageRecord, PoolTransfer, ma
 from pd_cache.storage.client import StorageClient
 from pd_cache.storage.eviction import EvictionPolicy, Slot
 from pd_cache.storage.memory import MemoryBackend
-from pd_cache.storage.seal import AEAD, SealedStorage, Sealer
+from pd_cache.storage.seal import AEAD, SCRATCH_BYTES, SealedStorage, Sealer
 from pd_cache.storage.tier import ACTOR_ENV, storage_actors
 from pd_cache.tiering.chain import runs
 
@@ -534,9 +538,10 @@ def sealed_stores(client: StorageClient) -> dict[str, SealedStorage]:
     """The worker's view of L3 three ways, over one client: unsealed (``seal: false``),
     sealed with AES-256-GCM, sealed with ChaCha20-Poly1305; one cluster keyring."""
     keys = Keyring.random()
-    return {"unsealed": SealedStorage(client, Sealer(keys, enabled=False)),
-            "sealed": SealedStorage(client, Sealer(keys, aead="aes-256-gcm")),
-            "sealed_chacha": SealedStorage(client, Sealer(keys, aead="chacha20-poly1305"))}
+    return {label: SealedStorage(client, sealer, scratch_bytes=SCRATCH_BYTES)
+            for label, sealer in (("unsealed", Sealer(keys, enabled=False)),
+                                  ("sealed", Sealer(keys, aead="aes-256-gcm")),
+                                  ("sealed_chacha", Sealer(keys, aead="chacha20-poly1305")))}
 
 
 def write_through(store: SealedStorage, layout: KVLayout, payloads: list[torch.Tensor],
@@ -551,16 +556,21 @@ def write_through(store: SealedStorage, layout: KVLayout, payloads: list[torch.T
     return names
 
 
-def read_back(store: SealedStorage, names: list[list[bytes]],
-              pool: torch.Tensor | None = None) -> None:
-    """A worker's read path: get (verify or open) and, given a pool, copy each page to it."""
+def read_back(store: SealedStorage, names: list[list[bytes]]) -> None:
+    """A ``batch_get`` of every page, with no destination (verified or opened)."""
+    for batch in names:
+        assert all(rec is not None for rec in store.batch_get(batch, BENCH_TENANT))
+
+
+def read_into(store: SealedStorage, names: list[list[bytes]], pool: torch.Tensor) -> None:
+    """A worker's read path: every page lands in its slot of ``pool`` (opened there)."""
     slot = 0
     for batch in names:
-        for rec in store.batch_get(batch, BENCH_TENANT):
-            assert rec is not None
-            if pool is not None:
-                pool[slot].copy_(rec.payload())
-            slot += 1
+        rows = list(pool[slot:slot + len(batch)])
+        got = store.submit_get_into(batch, rows, BENCH_TENANT).result()
+        assert all(rec is not None and rec.payload().data_ptr() == row.data_ptr()
+                   for rec, row in zip(got, rows))
+        slot += len(batch)
 
 
 def bench_sealed(payloads: list[torch.Tensor], pool: torch.Tensor, repeats: int,
@@ -580,8 +590,9 @@ def bench_sealed(payloads: list[torch.Tensor], pool: torch.Tensor, repeats: int,
                 names = write_through(stores[label], cfg.layout, payloads,
                                       f"sealed-{label}-{rep}", batch_pages)
                 run[f"{label}_set"] = time.perf_counter() - start
-                run[f"{label}_get"] = timed(read_back, stores[label], names)
-                run[f"{label}_get_copy"] = timed(read_back, stores[label], names, pool)
+                run[f"{label}_get_fresh"] = timed(read_back, stores[label], names)
+                pool.zero_()
+                run[f"{label}_get"] = timed(read_into, stores[label], names, pool)
                 assert torch.equal(pool[-1].view(torch.uint8), payloads[-1].view(torch.uint8))
             run.update({k: timed(copy, payloads, pool) for k, copy in COPIES.items()})
             for k, t in run.items():
@@ -593,10 +604,10 @@ def bench_sealed(payloads: list[torch.Tensor], pool: torch.Tensor, repeats: int,
     memcpy = min(med[k] for k in COPIES)
     out: dict[str, Any] = {f"{k}_gbps": TOTAL_BYTES / t / GB for k, t in med.items()}
     for label in SEALED_STORES:
-        for op in ("get", "get_copy", "set"):
+        for op in ("get", "get_fresh", "set"):
             out[f"{label}_{op}_vs_memcpy"] = memcpy / med[f"{label}_{op}"]
     for label in ("sealed", "sealed_chacha"):
-        for op in ("get", "get_copy", "set"):
+        for op in ("get", "get_fresh", "set"):
             out[f"{label}_{op}_vs_unsealed"] = med[f"unsealed_{op}"] / med[f"{label}_{op}"]
     out.update(memcpy_gbps=TOTAL_BYTES / memcpy / GB, batch_pages=batch_pages,
                repeats=repeats, aead=AEAD)
@@ -607,8 +618,8 @@ def print_sealed(r: dict[str, Any]) -> None:
     print(f"sealed L3 (1 shard): memcpy {r['memcpy_gbps']:.2f} GB/s | " + " | ".join(
         f"{label} set {r[f'{label}_set_gbps']:.2f} GB/s ({r[f'{label}_set_vs_memcpy']:.3f}x), "
         f"get {r[f'{label}_get_gbps']:.2f} GB/s ({r[f'{label}_get_vs_memcpy']:.2f}x), "
-        f"get+copy {r[f'{label}_get_copy_gbps']:.2f} GB/s "
-        f"({r[f'{label}_get_copy_vs_memcpy']:.2f}x)" for label in SEALED_STORES))
+        f"get_fresh {r[f'{label}_get_fresh_gbps']:.2f} GB/s "
+        f"({r[f'{label}_get_fresh_vs_memcpy']:.2f}x)" for label in SEALED_STORES))
     print(f"sealed vs unsealed: get {r['sealed_get_vs_unsealed']:.2f}x, set "
           f"{r['sealed_set_vs_unsealed']:.2f}x (chacha: get "
           f"{r['sealed_chacha_get_vs_unsealed']:.2f}x, set "

@@ -140,7 +140,8 @@ class Prefetcher:
         for run in batches:
             batch = chain.names[run.start:run.stop]
             issued.append(self._submit_get(batch, run.stop - 1 in asks,
-                                           self.link.info(req, chain, prefix)))
+                                           self.link.info(req, chain, prefix),
+                                           slots[run.start:run.stop]))
             self.stats.count(PREFETCH_BATCH)
             prefix = None if prefix is None else prefix + batch
         deadline = self.deadline(policy, len(chain.names) * self.link.page_size)
@@ -161,15 +162,20 @@ class Prefetcher:
         return {i for i in range(len(chain.names)) if (before + i + 1) % every == 0} | \
             {len(chain.names) - 1}
 
-    def _submit_get(self, batch: list[bytes], with_state: bool,
-                    info: Any) -> Pending[Answer] | Exception:
-        """One batch's get: the KV pool alone (the v1 call), or KV and, as a trailing
-        sidecar, the state of its last page (``batch_get_v2``)."""
+    def _submit_get(self, batch: list[bytes], with_state: bool, info: Any,
+                    slots: list[int]) -> Pending[Answer] | Exception:
+        """One batch's get: the KV pool alone (the v1 call; straight into ``slots`` where
+        the store can open records there), or KV and, as a trailing sidecar, the state of
+        its last page (``batch_get_v2``)."""
+        storage = self.link.storage
         try:
+            if not with_state and hasattr(storage, "submit_get_into"):
+                return storage.submit_get_into(batch, self.host.rows(slots), info).then(
+                    _kv_answer)
             if not with_state:
-                return self.link.storage.submit_get(batch, info).then(_kv_answer)
+                return storage.submit_get(batch, info).then(_kv_answer)
             transfers = [PoolTransfer(KV_POOL, batch), PoolTransfer(STATE_POOL, batch[-1:])]
-            return self.link.storage.submit_get_v2(transfers, info).then(_answer)
+            return storage.submit_get_v2(transfers, info).then(_answer)
         except Exception as e:  # noqa: BLE001 - counted when the batch is landed
             return e
 
@@ -195,8 +201,11 @@ class Prefetcher:
                 self.stats.count(Event.MISS, reason, len(batch) - i)
                 break
             good.append(record.payload(KV_POOL))
-        if good:
-            self.host.write(slots[start:start + len(good)], torch.stack(good))
+        # NOTE: pages a store opened straight into their slots are there already.
+        moved = [(slot, page) for slot, page in zip(slots[start:], good)
+                 if page.data_ptr() != self.host.data[slot].data_ptr()]
+        if moved:
+            self.host.write([slot for slot, _ in moved], torch.stack([p for _, p in moved]))
         if STATE_POOL in answer and len(good) == len(batch):
             self._keep_state(req, chain, run.stop - 1, _padded(answer[STATE_POOL], 1)[0],
                              states)

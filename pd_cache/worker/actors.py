@@ -44,13 +44,13 @@ def _storage_client(handles: Sequence[Any], config: PDCacheConfig,
     if not handles or not config.storage.enabled:
         return None
     from pd_cache.storage.client import StorageClient
-    from pd_cache.storage.seal import SealedStorage, Sealer
+    from pd_cache.storage.seal import SCRATCH_BYTES, SealedStorage, Sealer
     from pd_cache.storage.tier import resolve
 
     client = StorageClient(resolve(handles), algo=config.cache.hash_algo, timeout_s=timeout_s,
                            metrics=metrics)
     sealer = Sealer(keyring or Keyring.random(), enabled=config.storage.seal)
-    return SealedStorage(client, sealer, metrics)
+    return SealedStorage(client, sealer, metrics, scratch_bytes=SCRATCH_BYTES)
 
 
 def _in_process(config: PDCacheConfig, storage_handles: Sequence[Any], threads: int,
