@@ -10,9 +10,8 @@ them. A purge forgets a tenant::
 
 A retirement does 1, 2 for every older key version, and 4 for their records.
 
-NOTE: the state lives in this process and in the workers: a worker that restarts comes
-back with the keys it was started with, and a cluster attached by name starts from the
-first state; push the state again (``set_keys``) after either.
+Each new state is saved (``pd_cache.worker.key_state``) before the workers get it: a
+worker that restarts reads it as it starts, and a cluster attached by name starts from it.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from pd_cache.core.sealing import KeyState
+from pd_cache.worker import key_state
 
 
 class Reclaim(NamedTuple):
@@ -39,6 +39,7 @@ class ClusterKeys:
     """Key operations of a ``PDCluster`` (mixed in through ``ClusterOperations``)."""
 
     keys: KeyState = KeyState()
+    keys_name: str | None = None   # where the state is saved (None: nowhere)
     prefill: list[Any]
     decode: list[Any]
     storage: list[Any]
@@ -50,6 +51,8 @@ class ClusterKeys:
         """Give every worker ``state`` (and keep it here)."""
         import ray
 
+        if self.keys_name:
+            key_state.save(self.keys_name, state)
         ray.get([a.set_keys.remote(state) for a in self.prefill + self.decode])
         self.keys = state
         return state

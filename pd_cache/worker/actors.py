@@ -26,6 +26,7 @@ from pd_cache.core.config import PDCacheConfig
 from pd_cache.core.request import Req
 from pd_cache.core.sealing import Keyring, KeyState
 from pd_cache.core.wire import DecodeInfo, PrefillInfo
+from pd_cache.worker import key_state
 from pd_cache.worker.workers import DecodeWorker, PrefillResult, PrefillWorker
 
 # NOTE: PYTHONMALLOC: the HTTP front runs with glibc's malloc (deployments/serve_config.yaml:
@@ -82,7 +83,9 @@ class _Hosted:
     _seeds: dict[str, set[bytes]]
 
     def _host(self, keyring: Keyring | None) -> Keyring:
-        self.keyring, self._seeds = keyring or Keyring.random(), {}
+        # NOTE: the cluster's state now, not the one this actor was first given: a
+        # restarted worker reads and writes under the keys its peers use (key_state).
+        self.keyring, self._seeds = key_state.refreshed(keyring or Keyring.random()), {}
         return self.keyring
 
     def _saw(self, req: Req) -> None:
