@@ -573,6 +573,31 @@ def read_into(store: SealedStorage, names: list[list[bytes]], pool: torch.Tensor
         slot += len(batch)
 
 
+def set_breakdown(store: SealedStorage, layout: KVLayout, payloads: list[torch.Tensor],
+                  batch_pages: int, repeats: int) -> dict[str, float]:
+    """Where a sealed set's time goes, medians over ``repeats`` fresh chains (seconds):
+    ``seal`` (into the kept buffer, both cores), ``submit`` (the client serializes the
+    records into Ray's object store: the argument copy), ``store`` (the shard maps them,
+    verifies and puts them into a block of its own, the second copy, then acks)."""
+    parts: dict[str, list[float]] = {"seal": [], "submit": [], "store": []}
+    for rep in range(repeats):
+        took = dict.fromkeys(parts, 0.0)
+        for b in in_batches(chain_records(layout, payloads, f"split-{rep}", sums=False),
+                            batch_pages):
+            t0 = time.perf_counter()
+            sealed = store._seal_all(b, "bench")
+            t1 = time.perf_counter()
+            pending = store.inner.submit_set([r.name for r in sealed], sealed)
+            t2 = time.perf_counter()
+            assert all(pending.result())
+            took["seal"] += t1 - t0
+            took["submit"] += t2 - t1
+            took["store"] += time.perf_counter() - t2
+        for k, t in took.items():
+            parts[k].append(t)
+    return {k: statistics.median(v) for k, v in parts.items()}
+
+
 def bench_sealed(payloads: list[torch.Tensor], pool: torch.Tensor, repeats: int,
                  batch_pages: int) -> dict[str, Any]:
     """Sealed against unsealed L3, set and get+copy through one tier actor, side by side
@@ -598,6 +623,7 @@ def bench_sealed(payloads: list[torch.Tensor], pool: torch.Tensor, repeats: int,
             for k, t in run.items():
                 if rep:
                     times.setdefault(k, []).append(t)
+        split = set_breakdown(stores["sealed"], cfg.layout, payloads, batch_pages, repeats)
     finally:
         kill_all(handles)
     med = {k: statistics.median(v) for k, v in times.items()}
@@ -610,7 +636,8 @@ def bench_sealed(payloads: list[torch.Tensor], pool: torch.Tensor, repeats: int,
         for op in ("get", "get_fresh", "set"):
             out[f"{label}_{op}_vs_unsealed"] = med[f"unsealed_{op}"] / med[f"{label}_{op}"]
     out.update(memcpy_gbps=TOTAL_BYTES / memcpy / GB, batch_pages=batch_pages,
-               repeats=repeats, aead=AEAD)
+               repeats=repeats, aead=AEAD, sealed_set_breakdown_s=split,
+               sealed_set_s=med["sealed_set"], memcpy_s=memcpy)
     return out
 
 
@@ -620,6 +647,10 @@ def print_sealed(r: dict[str, Any]) -> None:
         f"get {r[f'{label}_get_gbps']:.2f} GB/s ({r[f'{label}_get_vs_memcpy']:.2f}x), "
         f"get_fresh {r[f'{label}_get_fresh_gbps']:.2f} GB/s "
         f"({r[f'{label}_get_fresh_vs_memcpy']:.2f}x)" for label in SEALED_STORES))
+    split = r["sealed_set_breakdown_s"]
+    print(f"sealed set of {TOTAL_BYTES >> 20} MiB: {r['sealed_set_s'] * 1e3:.0f} ms (memcpy "
+          f"{r['memcpy_s'] * 1e3:.0f} ms); alone: " + ", ".join(
+              f"{k} {v * 1e3:.0f} ms" for k, v in split.items()))
     print(f"sealed vs unsealed: get {r['sealed_get_vs_unsealed']:.2f}x, set "
           f"{r['sealed_set_vs_unsealed']:.2f}x (chacha: get "
           f"{r['sealed_chacha_get_vs_unsealed']:.2f}x, set "
