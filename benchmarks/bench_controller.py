@@ -42,7 +42,7 @@ from pd_cache import (
 )
 from pd_cache.core.sealing import Keyring
 from pd_cache.storage.base import StorageBackend
-from pd_cache.storage.seal import SealedStorage, Sealer
+from pd_cache.storage.seal import SCRATCH_BYTES, SealedStorage, Sealer
 
 RESULTS = Path(__file__).parent / "results" / "controller.json"
 SEED = 4321
@@ -140,8 +140,9 @@ def sealed_rows(label: str, cfg: PDCacheConfig, storage: StorageBackend, repeats
     """L3-hit TTFT through sealed records against unsealed ones (``storage.seal: false``),
     over the same backend, alternating which goes first; medians and best of each."""
     keys = Keyring.random()
-    stores = {"unsealed": SealedStorage(storage, Sealer(keys, enabled=False)),
-              "sealed": SealedStorage(storage, Sealer(keys))}
+    stores = {label: SealedStorage(storage, sealer, scratch_bytes=SCRATCH_BYTES)   # a worker's
+              for label, sealer in (("unsealed", Sealer(keys, enabled=False)),
+                                    ("sealed", Sealer(keys)))}
     for i, store in enumerate(stores.values()):
         hit_round(cfg, store, prompt, -10 - i)            # warm-up
     times: dict[str, list[float]] = {k: [] for k in stores}

@@ -38,8 +38,12 @@ the small-batch size, as the transport check).
 Sealed rows (1 tier actor, ``storage.batch_pages`` calls): the worker's view of L3
 (``storage.seal.SealedStorage``) three ways over one client, side by side in each
 repetition: unsealed (``storage.seal: false``), sealed with AES-256-GCM, sealed with
-ChaCha20-Poly1305. ``set`` builds, seals and stores the records; ``get`` opens (or
-verifies) them; ``get+copy`` also copies each page into the pool. Keys
+ChaCha20-Poly1305, each as a worker builds it (a set seals into one kept buffer; the
+client puts each shard's records once). ``set`` builds, seals and stores the records;
+``get`` is the worker's read path: each page lands in its pool slot, opened there (sealed)
+or verified and copied there (unsealed), on both cores; ``get_fresh`` is a ``batch_get``
+with no destination (unsealed: views of the object store, nothing written; sealed: opened
+into new memory). Keys
 ``sealed_get_vs_memcpy``, ``sealed_get_vs_unsealed``, ``sealed_set_vs_memcpy``;
 ``--sealed-only`` runs just these rows (``results/storage_sealed.json``).
 
@@ -84,7 +88,7 @@ from pd_cache.storage import STATE_POOL, ExtraInfo, PageRecord, PoolTransfer, ma
 from pd_cache.storage.client import StorageClient
 from pd_cache.storage.eviction import EvictionPolicy, Slot
 from pd_cache.storage.memory import MemoryBackend
-from pd_cache.storage.seal import AEAD, SealedStorage, Sealer
+from pd_cache.storage.seal import AEAD, SCRATCH_BYTES, SealedStorage, Sealer
 from pd_cache.storage.tier import ACTOR_ENV, storage_actors
 from pd_cache.tiering.chain import runs
 
@@ -534,9 +538,10 @@ def sealed_stores(client: StorageClient) -> dict[str, SealedStorage]:
     """The worker's view of L3 three ways, over one client: unsealed (``seal: false``),
     sealed with AES-256-GCM, sealed with ChaCha20-Poly1305; one cluster keyring."""
     keys = Keyring.random()
-    return {"unsealed": SealedStorage(client, Sealer(keys, enabled=False)),
-            "sealed": SealedStorage(client, Sealer(keys, aead="aes-256-gcm")),
-            "sealed_chacha": SealedStorage(client, Sealer(keys, aead="chacha20-poly1305"))}
+    return {label: SealedStorage(client, sealer, scratch_bytes=SCRATCH_BYTES)
+            for label, sealer in (("unsealed", Sealer(keys, enabled=False)),
+                                  ("sealed", Sealer(keys, aead="aes-256-gcm")),
+                                  ("sealed_chacha", Sealer(keys, aead="chacha20-poly1305")))}
 
 
 def write_through(store: SealedStorage, layout: KVLayout, payloads: list[torch.Tensor],
@@ -551,16 +556,46 @@ def write_through(store: SealedStorage, layout: KVLayout, payloads: list[torch.T
     return names
 
 
-def read_back(store: SealedStorage, names: list[list[bytes]],
-              pool: torch.Tensor | None = None) -> None:
-    """A worker's read path: get (verify or open) and, given a pool, copy each page to it."""
+def read_back(store: SealedStorage, names: list[list[bytes]]) -> None:
+    """A ``batch_get`` of every page, with no destination (verified or opened)."""
+    for batch in names:
+        assert all(rec is not None for rec in store.batch_get(batch, BENCH_TENANT))
+
+
+def read_into(store: SealedStorage, names: list[list[bytes]], pool: torch.Tensor) -> None:
+    """A worker's read path: every page lands in its slot of ``pool`` (opened there)."""
     slot = 0
     for batch in names:
-        for rec in store.batch_get(batch, BENCH_TENANT):
-            assert rec is not None
-            if pool is not None:
-                pool[slot].copy_(rec.payload())
-            slot += 1
+        rows = list(pool[slot:slot + len(batch)])
+        got = store.submit_get_into(batch, rows, BENCH_TENANT).result()
+        assert all(rec is not None and rec.payload().data_ptr() == row.data_ptr()
+                   for rec, row in zip(got, rows))
+        slot += len(batch)
+
+
+def set_breakdown(store: SealedStorage, layout: KVLayout, payloads: list[torch.Tensor],
+                  batch_pages: int, repeats: int) -> dict[str, float]:
+    """Where a sealed set's time goes, medians over ``repeats`` fresh chains (seconds):
+    ``seal`` (into the kept buffer, both cores), ``submit`` (the client serializes the
+    records into Ray's object store: the argument copy), ``store`` (the shard maps them,
+    verifies and puts them into a block of its own, the second copy, then acks)."""
+    parts: dict[str, list[float]] = {"seal": [], "submit": [], "store": []}
+    for rep in range(repeats):
+        took = dict.fromkeys(parts, 0.0)
+        for b in in_batches(chain_records(layout, payloads, f"split-{rep}", sums=False),
+                            batch_pages):
+            t0 = time.perf_counter()
+            sealed = store._seal_all(b, "bench")
+            t1 = time.perf_counter()
+            pending = store.inner.submit_set([r.name for r in sealed], sealed)
+            t2 = time.perf_counter()
+            assert all(pending.result())
+            took["seal"] += t1 - t0
+            took["submit"] += t2 - t1
+            took["store"] += time.perf_counter() - t2
+        for k, t in took.items():
+            parts[k].append(t)
+    return {k: statistics.median(v) for k, v in parts.items()}
 
 
 def bench_sealed(payloads: list[torch.Tensor], pool: torch.Tensor, repeats: int,
@@ -580,26 +615,29 @@ def bench_sealed(payloads: list[torch.Tensor], pool: torch.Tensor, repeats: int,
                 names = write_through(stores[label], cfg.layout, payloads,
                                       f"sealed-{label}-{rep}", batch_pages)
                 run[f"{label}_set"] = time.perf_counter() - start
-                run[f"{label}_get"] = timed(read_back, stores[label], names)
-                run[f"{label}_get_copy"] = timed(read_back, stores[label], names, pool)
+                run[f"{label}_get_fresh"] = timed(read_back, stores[label], names)
+                pool.zero_()
+                run[f"{label}_get"] = timed(read_into, stores[label], names, pool)
                 assert torch.equal(pool[-1].view(torch.uint8), payloads[-1].view(torch.uint8))
             run.update({k: timed(copy, payloads, pool) for k, copy in COPIES.items()})
             for k, t in run.items():
                 if rep:
                     times.setdefault(k, []).append(t)
+        split = set_breakdown(stores["sealed"], cfg.layout, payloads, batch_pages, repeats)
     finally:
         kill_all(handles)
     med = {k: statistics.median(v) for k, v in times.items()}
     memcpy = min(med[k] for k in COPIES)
     out: dict[str, Any] = {f"{k}_gbps": TOTAL_BYTES / t / GB for k, t in med.items()}
     for label in SEALED_STORES:
-        for op in ("get", "get_copy", "set"):
+        for op in ("get", "get_fresh", "set"):
             out[f"{label}_{op}_vs_memcpy"] = memcpy / med[f"{label}_{op}"]
     for label in ("sealed", "sealed_chacha"):
-        for op in ("get", "get_copy", "set"):
+        for op in ("get", "get_fresh", "set"):
             out[f"{label}_{op}_vs_unsealed"] = med[f"unsealed_{op}"] / med[f"{label}_{op}"]
     out.update(memcpy_gbps=TOTAL_BYTES / memcpy / GB, batch_pages=batch_pages,
-               repeats=repeats, aead=AEAD)
+               repeats=repeats, aead=AEAD, sealed_set_breakdown_s=split,
+               sealed_set_s=med["sealed_set"], memcpy_s=memcpy)
     return out
 
 
@@ -607,8 +645,12 @@ def print_sealed(r: dict[str, Any]) -> None:
     print(f"sealed L3 (1 shard): memcpy {r['memcpy_gbps']:.2f} GB/s | " + " | ".join(
         f"{label} set {r[f'{label}_set_gbps']:.2f} GB/s ({r[f'{label}_set_vs_memcpy']:.3f}x), "
         f"get {r[f'{label}_get_gbps']:.2f} GB/s ({r[f'{label}_get_vs_memcpy']:.2f}x), "
-        f"get+copy {r[f'{label}_get_copy_gbps']:.2f} GB/s "
-        f"({r[f'{label}_get_copy_vs_memcpy']:.2f}x)" for label in SEALED_STORES))
+        f"get_fresh {r[f'{label}_get_fresh_gbps']:.2f} GB/s "
+        f"({r[f'{label}_get_fresh_vs_memcpy']:.2f}x)" for label in SEALED_STORES))
+    split = r["sealed_set_breakdown_s"]
+    print(f"sealed set of {TOTAL_BYTES >> 20} MiB: {r['sealed_set_s'] * 1e3:.0f} ms (memcpy "
+          f"{r['memcpy_s'] * 1e3:.0f} ms); alone: " + ", ".join(
+              f"{k} {v * 1e3:.0f} ms" for k, v in split.items()))
     print(f"sealed vs unsealed: get {r['sealed_get_vs_unsealed']:.2f}x, set "
           f"{r['sealed_set_vs_unsealed']:.2f}x (chacha: get "
           f"{r['sealed_chacha_get_vs_unsealed']:.2f}x, set "

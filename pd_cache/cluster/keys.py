@@ -14,11 +14,10 @@ Quotas (``set_quotas``) reach the shards the same way, by owner label: a tenant'
 is split evenly, each shard holding at most ``quota // shards`` of its bytes (pages spread
 over shards by name, so a tenant fills its shares about evenly).
 
-NOTE: the state lives in this process and in the workers: a worker that restarts comes
-back with the keys it was started with, and a cluster attached by name starts from the
-first state; push the state again (``set_keys``) after either. So with quotas: a restarted
-shard has none until ``set_quotas`` runs again (the server pushes them every metrics
-interval).
+Each new key state is saved (``pd_cache.worker.key_state``) before the workers get it: a
+worker that restarts reads it as it starts, and a cluster attached by name starts from it.
+Quotas are not saved: a restarted shard has none until ``set_quotas`` runs again (the
+server pushes them every metrics interval).
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 from pd_cache.core.sealing import KeyState
+from pd_cache.worker import key_state
 
 
 class Reclaim(NamedTuple):
@@ -47,6 +47,7 @@ class ClusterKeys:
 
     keys: KeyState = KeyState()
     _owners: dict[str, bytes]   # tenant -> owner label, learnt from a worker once
+    keys_name: str | None = None   # where the state is saved (None: nowhere)
     prefill: list[Any]
     decode: list[Any]
     storage: list[Any]
@@ -58,6 +59,8 @@ class ClusterKeys:
         """Give every worker ``state`` (and keep it here)."""
         import ray
 
+        if self.keys_name:
+            key_state.save(self.keys_name, state)
         ray.get([a.set_keys.remote(state) for a in self.prefill + self.decode])
         self.keys = state
         return state

@@ -12,6 +12,7 @@ from pd_cache.core.cluster_config import ClusterConfig
 from pd_cache.core.config import PDCacheConfig
 from pd_cache.core.request import Req
 from pd_cache.core.wire import PageNames, TenantPins, WorkerState
+from pd_cache.worker import key_state
 
 NAMESPACE = "pd-cache"   # the Ray namespace of named (detached) clusters
 
@@ -171,6 +172,8 @@ class ClusterOperations(ClusterKeys):
             for actor in self.prefill + self.decode + self.storage + self.index_actors:
                 ray.kill(actor)
             self.prefill, self.decode, self.storage, self.index_actors = [], [], [], []
+            if self.keys_name:
+                key_state.drop(self.keys_name)
 
 
     @staticmethod
@@ -182,4 +185,5 @@ class ClusterOperations(ClusterKeys):
                 if a["namespace"] == NAMESPACE and a["name"].startswith(f"{name}/")]
         for actor_name in mine:
             ray.kill(ray.get_actor(actor_name, namespace=NAMESPACE))
+        key_state.drop(f"{name}/keys")
         return len(mine)

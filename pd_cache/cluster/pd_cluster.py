@@ -84,6 +84,7 @@ class PDCluster(IndexRouting, DecodeRouting, ClusterOperations):
         from pd_cache.core.sealing import cluster_keyring
         from pd_cache.model.digest import with_weights_digest
         from pd_cache.storage.tier import ShardName, storage_actors
+        from pd_cache.worker import key_state
         from pd_cache.worker.actors import decode_actor, prefill_actor
 
         if not isinstance(config, ClusterConfig):
@@ -101,12 +102,15 @@ class PDCluster(IndexRouting, DecodeRouting, ClusterOperations):
         index = index_actors(config.index_shards, index_bound(config), at, NAMESPACE,
                              detached=bool(name)) if config.cache else []
         index_names = [ShardName(f"{at}-{i}", NAMESPACE) for i in range(len(index))]
+        # NOTE: a cluster attached by name goes on with the key state it saved.
+        keyring = key_state.refreshed(cluster_keyring(secret, f"{base}/keys"))
+        key_state.save(f"{base}/keys", keyring.state)
         storage = (storage_actors(pd, shards, detached=bool(name), namespace=NAMESPACE,
                                   max_restarts=config.storage_restarts, index=index_names)
                    if config.with_storage else [])
         shard_names = [ShardName(f"{shards}-{i}", NAMESPACE) for i in range(len(storage))]
         opts = {"threads": config.threads, "num_cpus": config.actor_cpus,
-                "keyring": cluster_keyring(secret),
+                "keyring": keyring,
                 "storage_timeout_s": config.storage_timeout_s,
                 "max_restarts": config.worker_restarts, "index": index_names}
         prefill = [prefill_actor(pd, i, shard_names, actor=named("prefill", i), **opts)
@@ -115,7 +119,9 @@ class PDCluster(IndexRouting, DecodeRouting, ClusterOperations):
                                actor=named("decode", i), **opts)
                   for i in range(config.num_decode)]
         ray.get([a.ready.remote() for a in prefill + decode] + [s.ping.remote() for s in storage])
-        return cls(config, prefill, decode, storage, index)
+        cluster = cls(config, prefill, decode, storage, index)
+        cluster.keys, cluster.keys_name = keyring.state, keyring.name
+        return cluster
 
     # -- requests -----------------------------------------------------------------------
 

@@ -75,9 +75,13 @@ class KeyState(msgspec.Struct, frozen=True, gc=False):
 class Keyring:
     """A worker's keys: derives them from ``secret`` and knows which ones are readable."""
 
-    def __init__(self, secret: bytes, state: KeyState | None = None) -> None:
+    def __init__(self, secret: bytes, state: KeyState | None = None,
+                 name: str | None = None) -> None:
+        """``name``: where the cluster keeps its key state for workers that restart
+        (``pd_cache.worker.key_state``; ``None``: nowhere)."""
         self._secret = checked_secret(secret)
         self.state = state or KeyState()
+        self.name = name
 
     @classmethod
     def random(cls) -> Keyring:
@@ -141,9 +145,10 @@ def read_or_create_secret(path: Path) -> bytes:
     return secret
 
 
-def cluster_keyring(secret: bytes | None = None) -> Keyring:
+def cluster_keyring(secret: bytes | None = None, name: str | None = None) -> Keyring:
     """The keyring a cluster starts with: ``secret``, else ``PD_CACHE_SECRET_FILE``'s
-    (created when absent), else a random one (records unreadable once the cluster ends)."""
+    (created when absent), else a random one (records unreadable once the cluster ends);
+    its state kept under ``name``."""
     if secret is None and os.environ.get(SECRET_ENV):
         secret = read_or_create_secret(Path(os.environ[SECRET_ENV]))
-    return Keyring(secret) if secret is not None else Keyring.random()
+    return Keyring(secret or secrets.token_bytes(SECRET_BYTES), name=name)

@@ -81,6 +81,10 @@ class PagePool(SlotPool):
             self.data.index_copy_(0, _index(slots, self.device),
                                   pages.to(self.device, non_blocking=True))
 
+    def rows(self, slots: Sequence[int]) -> list[torch.Tensor]:
+        """Views of ``slots``' pages (``[*page_shape]`` each), to write pages in place."""
+        return [self.data[slot] for slot in slots]
+
     def copy_to(self, dst: PagePool, src_slots: Sequence[int], dst_slots: Sequence[int]) -> None:
         """Copy pages ``src_slots`` of this pool into ``dst_slots`` of ``dst``."""
         if len(src_slots) != len(dst_slots):

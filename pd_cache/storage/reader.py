@@ -5,18 +5,16 @@ batch, see ``pd_cache.storage.shared``) and, per key, where its record is in the
 reader maps every block of the answer in one ``ray.get`` (read-only views of shared memory
 on one node), then verifies each record it asked for: the cheap header checks one by one,
 then every checksum in one :class:`Checksummer` call, which splits a large batch over a
-few threads (xxhash releases the GIL, and one core alone cannot read memory as fast as
-two). A record that fails is a miss the tier is told to discard; a block that cannot be
-fetched (the tier died with its objects, or the deadline passed) makes its keys misses.
+few threads (``pd_cache.storage.spread``). A record that fails is a miss the tier is told
+to discard; a block that cannot be fetched (the tier died with its objects, or the
+deadline passed) makes its keys misses.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import torch
@@ -25,42 +23,18 @@ from pd_cache.core.config import KVLayout
 from pd_cache.core.vocab import MissReason
 from pd_cache.storage.record import PageRecord, checksums, verify_all
 from pd_cache.storage.shared import SharedPages
+from pd_cache.storage.spread import Spread
 
 log = logging.getLogger(__name__)
 
-# NOTE: below this many bytes a batch is hashed inline: handing work to threads costs more.
-PARALLEL_MIN_BYTES = 8 << 20
-MAX_THREADS = 4
-
-
-def default_threads() -> int:
-    """Cores this process may run on, at most ``MAX_THREADS``."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
-        else os.cpu_count() or 1
-    return max(1, min(MAX_THREADS, cores))
-
-
-class Checksummer:
+class Checksummer(Spread):
     """Computes the checksums of many payloads, on up to ``threads`` threads at once."""
 
     def __init__(self, threads: int | None = None) -> None:
-        threads = default_threads() if threads is None else threads
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-            raise ValueError(f"threads: expected an int >= 1, got {threads!r}")
-        self.threads = threads
-        self._pool: ThreadPoolExecutor | None = None
+        super().__init__(threads, "pd-cache-hash")
 
     def __call__(self, tensors: list[torch.Tensor]) -> list[int]:
-        total = sum(t.numel() * t.element_size() for t in tensors)
-        parts = min(self.threads, len(tensors))
-        if parts < 2 or total < PARALLEL_MIN_BYTES:
-            return checksums(tensors)
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="pd-cache-hash")
-        # contiguous runs of about equal length, one per thread; results in order
-        bounds = [len(tensors) * k // parts for k in range(parts + 1)]
-        runs = [tensors[lo:hi] for lo, hi in zip(bounds, bounds[1:])]
-        return [c for run in self._pool.map(checksums, runs) for c in run]
+        return self.map(checksums, tensors, sum(t.numel() * t.element_size() for t in tensors))
 
 
 class Received(NamedTuple):

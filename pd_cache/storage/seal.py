@@ -9,29 +9,29 @@
             covers the bytes and the whole header: a relabelled record fails it)
 
 The tag replaces the payload checksums (a sealed record carries none): the one pass over
-the bytes is the cipher's. A record that fails to open is a verified miss, counted here.
+the bytes is the cipher's, straight into the buffer that is stored (a set) or into the
+slots the pages are read for (:meth:`SealedStorage.submit_get_into`), on both cores when
+the batch is large (``pd_cache.storage.spread``). A record that fails to open is a
+verified miss, counted here.
 Nonces are a per-:class:`Sealer` random 8-byte prefix and a 4-byte counter (a new prefix
 before the counter wraps), so no nonce repeats under a key. The AEAD is AES-256-GCM or
-ChaCha20-Poly1305 (``AEAD``: whichever ``benchmarks/bench_storage.py`` measures faster).
+ChaCha20-Poly1305 (``storage.cipher.AEAD``: whichever ``benchmarks/bench_storage.py``
+measures faster).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import struct
 import threading
-import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
 import torch
 from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
 
 from pd_cache.core.sealing import KeyId, Keyring
 from pd_cache.core.stats import Stats
@@ -45,13 +45,26 @@ from pd_cache.storage.base import (
     SubmittedBackend,
     Usage,
 )
-from pd_cache.storage.record import TAG_BYTES, PageRecord, Seal, as_bytes, encode_header, typed
+from pd_cache.storage.cipher import AEAD, AEADS, open_into, seal_into
+from pd_cache.storage.record import (
+    DTYPES,
+    KV_POOL,
+    TAG_BYTES,
+    PageRecord,
+    PoolEntry,
+    Seal,
+    as_bytes,
+    encode_header,
+    stored_nbytes,
+    typed,
+)
+from pd_cache.storage.spread import Spread
 
 log = logging.getLogger(__name__)
 
-AEADS: dict[str, Any] = {"aes-256-gcm": AESGCM, "chacha20-poly1305": ChaCha20Poly1305}
-AEAD = "aes-256-gcm"
 _COUNTER = struct.Struct(">I")
+SCRATCH_BYTES = 256 << 20   # the largest set a worker seals into its kept buffer
+Into = Sequence[torch.Tensor | None]
 
 
 class Opened(NamedTuple):
@@ -80,8 +93,10 @@ class Sealer:
             self._count += 1
             return self._prefix + _COUNTER.pack(self._count)
 
-    def seal(self, record: PageRecord, tenant: str) -> PageRecord:
-        """``record`` sealed under ``tenant``'s current key (itself when disabled)."""
+    def seal(self, record: PageRecord, tenant: str,
+             out: torch.Tensor | None = None) -> PageRecord:
+        """``record`` sealed under ``tenant``'s current key (itself when disabled), into
+        ``out`` (``uint8[sealed_nbytes(record)]``) when given, else new memory."""
         if not self.enabled:
             return record
         key = self.keyring.current(tenant)
@@ -89,77 +104,87 @@ class Sealer:
         seal = Seal(key.version, key.epoch, self.keyring.owner(tenant), nonces)
         header = msgspec.structs.replace(record.header, seal=seal)
         aad, secret = encode_header(header), self.keyring.key(tenant, key)
-        seal_one = _gcm_seal if self.aead == "aes-256-gcm" else _aead_seal(self.aead)
-        return PageRecord(header, tuple(seal_one(secret, n, as_bytes(t), aad)
-                                        for n, t in zip(nonces, record.payloads)))
+        outs = _split(out, [stored_nbytes(e, True) for e in record.header.pools])
+        return PageRecord(header, tuple(seal_into(self.aead, secret, n, as_bytes(t), aad, o)
+                                        for n, t, o in zip(nonces, record.payloads, outs)))
 
-    def open(self, record: PageRecord, tenant: str) -> Opened:
-        """``record``'s plaintext if ``tenant`` may read it and every tag verifies."""
+    def check(self, record: PageRecord, tenant: str) -> Opened:
+        """Whether ``tenant`` may open ``record`` (its header alone: no bytes read yet)."""
         seal = record.header.seal
         if not self.enabled or seal is None:
             if self.enabled or seal is not None:
                 return Opened(None, MissReason.VERIFICATION_FAILED,
                               "unsealed record" if seal is None else "sealed record")
             return Opened(record)
-        key = KeyId(seal.version, seal.epoch)
         if seal.owner != self.keyring.owner(tenant):
             return Opened(None, MissReason.VERIFICATION_FAILED, "another tenant's record")
+        key = KeyId(seal.version, seal.epoch)
         if not self.keyring.readable(tenant, key):
             return Opened(None, MissReason.KEY_RETIRED, f"key {tuple(key)} retired")
-        aad, secret = encode_header(record.header), self.keyring.key(tenant, key)
-        open_one = _gcm_open if self.aead == "aes-256-gcm" else _aead_open(self.aead)
+        return Opened(record)
+
+    def open(self, record: PageRecord, tenant: str, into: Into = ()) -> Opened:
+        """``record``'s plaintext if ``tenant`` may read it and every tag verifies; each
+        payload lands in its ``into`` tensor (one per pool, ``None``: new memory) when that
+        is contiguous and of the payload's dtype and size (unsealed: copied there)."""
+        checked = self.check(record, tenant)
+        if checked.reason is not None or not (self.enabled or any(t is not None for t in into)):
+            return checked
+        header, targets = record.header, [_target(t, e) for t, e in
+                                          zip(_padded(into, len(record.payloads)),
+                                              record.header.pools)]
+        if header.seal is None:   # unsealed (a benchmark's baseline): copied into place
+            return Opened(PageRecord(header, tuple(
+                p if t is None else _copied(p, t) for p, t in zip(record.payloads, targets))))
+        seal = header.seal
+        aad, secret = encode_header(header), self.keyring.key(tenant,
+                                                              KeyId(seal.version, seal.epoch))
         try:
-            plain = [typed(open_one(secret, n, as_bytes(t), aad), e)
-                     for n, t, e in zip(seal.nonces, record.payloads, record.header.pools)]
+            plain = [self._open_one(secret, n, t, e, aad, d) for n, t, e, d in
+                     zip(seal.nonces, record.payloads, header.pools, targets)]
         except InvalidTag:
             return Opened(None, MissReason.VERIFICATION_FAILED, "tag does not verify")
-        return Opened(PageRecord(msgspec.structs.replace(record.header, seal=None),
-                                 tuple(plain)))
+        return Opened(PageRecord(msgspec.structs.replace(header, seal=None), tuple(plain)))
+
+    def _open_one(self, key: bytes, nonce: bytes, data: torch.Tensor, entry: PoolEntry,
+                  aad: bytes, target: tuple[torch.Tensor, np.ndarray] | None) -> torch.Tensor:
+        out = open_into(self.aead, key, nonce, as_bytes(data), aad,
+                        None if target is None else target[1])
+        return typed(torch.from_numpy(out), entry) if target is None else target[0]
 
 
-# NOTE: AES-GCM through the streaming interface, into a buffer of our own: here ~7 GB/s,
-# where the one-shot AESGCM (a new bytes object per call) ran at ~1 GB/s.
-def _gcm_seal(key: bytes, nonce: bytes, data: np.ndarray, aad: bytes) -> torch.Tensor:
-    enc = Cipher(algorithms.AES(key), modes.GCM(nonce)).encryptor()
-    enc.authenticate_additional_data(aad)
-    out = torch.empty(len(data) + TAG_BYTES, dtype=torch.uint8)
-    view = out.numpy()
-    enc.update_into(data, view[:-TAG_BYTES])
-    enc.finalize()
-    view[-TAG_BYTES:] = np.frombuffer(enc.tag, np.uint8)
-    return out
+def sealed_nbytes(record: PageRecord) -> int:
+    """Bytes of ``record``'s payloads once sealed (each with its tag)."""
+    return sum(t.numel() * t.element_size() + TAG_BYTES for t in record.payloads)
 
 
-def _gcm_open(key: bytes, nonce: bytes, data: np.ndarray, aad: bytes) -> torch.Tensor:
-    """The plaintext of ``data`` (ciphertext + tag); ``InvalidTag`` if it does not verify."""
-    if len(data) < TAG_BYTES:
-        raise InvalidTag
-    tag = data[-TAG_BYTES:].tobytes()
-    dec = Cipher(algorithms.AES(key), modes.GCM(nonce, tag)).decryptor()
-    dec.authenticate_additional_data(aad)
-    out = torch.empty(len(data) - TAG_BYTES, dtype=torch.uint8)
-    dec.update_into(data[:-TAG_BYTES], out.numpy())
-    dec.finalize()
-    return out
+def _split(out: torch.Tensor | None, sizes: list[int]) -> list[torch.Tensor | None]:
+    """``out`` cut into consecutive pieces of ``sizes`` bytes (``None`` each if no ``out``)."""
+    if out is None:
+        return [None] * len(sizes)
+    ends = np.cumsum([0, *sizes]).tolist()
+    return [out[lo:hi] for lo, hi in zip(ends, ends[1:])]
 
 
-def _aead_seal(aead: str) -> Callable[[bytes, bytes, np.ndarray, bytes], torch.Tensor]:
-    return lambda key, nonce, data, aad: _tensor(_aead(aead, key).encrypt(nonce, data, aad))
+def _padded(into: Into, n: int) -> list[torch.Tensor | None]:
+    return [*list(into)[:n], *[None] * max(0, n - len(into))]
 
 
-def _aead_open(aead: str) -> Callable[[bytes, bytes, np.ndarray, bytes], torch.Tensor]:
-    return lambda key, nonce, data, aad: _tensor(_aead(aead, key).decrypt(nonce, data, aad))
+def _target(dst: torch.Tensor | None,
+            entry: PoolEntry) -> tuple[torch.Tensor, np.ndarray] | None:
+    """``dst`` as the payload ``entry`` describes and its bytes, if a payload can land
+    there as it is (contiguous, on the CPU, of that dtype and size); else ``None``."""
+    if dst is None or dst.device.type != "cpu" or not dst.is_contiguous() \
+            or DTYPES.get(entry.dtype) != dst.dtype \
+            or dst.numel() * dst.element_size() != stored_nbytes(entry):
+        return None
+    return dst.view(entry.shape), dst.view(-1).view(torch.uint8).numpy()
 
 
-@functools.lru_cache(maxsize=256)
-def _aead(aead: str, key: bytes) -> Any:
-    return AEADS[aead](key)
-
-
-def _tensor(raw: bytes) -> torch.Tensor:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)   # read-only bytes, shared not copied
-        return torch.from_numpy(np.frombuffer(raw, np.uint8))
+def _copied(payload: torch.Tensor, target: tuple[torch.Tensor, np.ndarray]) -> torch.Tensor:
+    if payload.shape != target[0].shape or payload.dtype != target[0].dtype:
+        return payload   # the reader's checks refuse it
+    return target[0].copy_(payload)
 
 
 class SealedStorage(SubmittedBackend):
@@ -167,15 +192,23 @@ class SealedStorage(SubmittedBackend):
 
     ``ExtraInfo.tenant`` picks the key (``None``: ``""``) and is dropped before ``inner``
     sees the call. A record that does not open is a miss (``verification_failed``, or
-    ``key_retired``), counted here and in ``metrics``.
+    ``key_retired``), counted here and in ``metrics``. ``scratch_bytes``: ``inner`` copies
+    what a set gives it before ``submit_set_v2`` returns (the sharded client's one put per
+    shard), so a set seals into one buffer of up to that many bytes, kept and reused (warm
+    memory seals twice as fast as fresh); ``0``: every set seals into new memory.
     """
 
     checksums_in_reader = True   # the tags were checked here, on the bytes returned
 
-    def __init__(self, inner: StorageBackend, sealer: Sealer, metrics: Any = None) -> None:
+    def __init__(self, inner: StorageBackend, sealer: Sealer, metrics: Any = None, *,
+                 scratch_bytes: int = 0, threads: int | None = None) -> None:
         self.inner, self.sealer, self.metrics = inner, sealer, metrics
         self.algo, self.seals = inner.algo, sealer.enabled
+        self.scratch_bytes = scratch_bytes
         self._stats = Stats()
+        self._spread = Spread(threads, "pd-cache-seal")
+        self._set_lock = threading.Lock()   # guards the scratch buffer until inner copied it
+        self._scratch = torch.empty(0, dtype=torch.uint8)
 
     def submit_exists_v2(self, transfers: Sequence[PoolTransfer],
                          extra_info: ExtraInfo | None = None) -> Pending[PoolHits]:
@@ -187,31 +220,71 @@ class SealedStorage(SubmittedBackend):
         return self.inner.submit_get_v2(transfers, _stripped(extra_info)).then(
             lambda got: [self._open_all(t, tenant) for t in got])
 
+    def submit_get_into(self, keys: Sequence[bytes], into: Sequence[torch.Tensor],
+                        extra_info: ExtraInfo | None = None
+                        ) -> Pending[list[PageRecord | None]]:
+        """``submit_get`` (the ``kv`` pool) whose pages land in ``into``, one tensor of the
+        page's dtype and shape per key (the host-pool slots they are read for): a record's
+        payload *is* its ``into`` tensor, opened there (copied when unsealed). The bytes
+        land when the result is collected; a key that misses may leave its tensor written
+        (with bytes that did not verify): use only the tensors of the records returned."""
+        if len(into) != len(keys):
+            raise ValueError(f"into: {len(into)} tensors for {len(keys)} keys")
+        tenant, transfer = _tenant(extra_info), PoolTransfer(KV_POOL, list(keys))
+        return self.inner.submit_get_v2([transfer], _stripped(extra_info)).then(
+            lambda got: list(self._open_all(got[0], tenant, into).pages or []))
+
     def submit_set_v2(self, transfers: Sequence[PoolTransfer],
                       extra_info: ExtraInfo | None = None) -> Pending[list[list[bool]]]:
-        tenant = _tenant(extra_info)
-        sealed = [t if t.pages is None else msgspec.structs.replace(
-            t, pages=[p if not isinstance(p, PageRecord) else self.sealer.seal(p, tenant)
-                      for p in t.pages]) for t in transfers]
-        return self.inner.submit_set_v2(sealed, _stripped(extra_info))
+        pages = [p for t in transfers for p in t.pages or [] if isinstance(p, PageRecord)]
+        if not self.sealer.enabled or not pages:
+            return self.inner.submit_set_v2(transfers, _stripped(extra_info))
+        with self._set_lock:
+            sealed = iter(self._seal_all(pages, _tenant(extra_info)))
+            return self.inner.submit_set_v2([t if t.pages is None else msgspec.structs.replace(
+                t, pages=[next(sealed) if isinstance(p, PageRecord) else p for p in t.pages])
+                for t in transfers], _stripped(extra_info))
 
-    def _open_all(self, transfer: PoolTransfer, tenant: str) -> PoolTransfer:
-        pages, bad = [], []
-        for key, page in zip(transfer.keys, transfer.pages or []):
-            opened = None if page is None else self.sealer.open(page, tenant)
-            if opened is not None and opened.reason is not None:
-                log.warning("L3 record %s/%s does not open: %s", transfer.pool,
-                            page.name.hex(), opened.detail)
-                self._miss(opened.reason)
-                seal = page.header.seal
-                # NOTE: another owner's record is left alone (this reader cannot tell it
-                # is bad); a set under this owner's key replaces it.
-                if seal is None or seal.owner == self.sealer.keyring.owner(tenant):
-                    bad.append(key)
-            pages.append(None if opened is None else opened.record)
+    def _seal_all(self, pages: list[PageRecord], tenant: str) -> list[PageRecord]:
+        """``pages`` sealed, into the scratch buffer when it may hold them, on the spread's
+        threads when they are many bytes."""
+        sizes = [sealed_nbytes(p) for p in pages]
+        total = sum(sizes)
+        if total > self.scratch_bytes:
+            outs: list[torch.Tensor | None] = [None] * len(pages)
+        else:
+            if self._scratch.numel() < total:
+                self._scratch = torch.empty(total, dtype=torch.uint8)
+            outs = _split(self._scratch, sizes)
+        return self._spread.map(lambda run: [self.sealer.seal(p, tenant, o) for p, o in run],
+                                list(zip(pages, outs)), total)
+
+    def _open_all(self, transfer: PoolTransfer, tenant: str, into: Into = ()) -> PoolTransfer:
+        """Every page of ``transfer`` opened (into ``into``'s tensors, one per key, when
+        given) on the spread's threads; one that does not is counted, and discarded if it
+        is this tenant's."""
+        pages = list(transfer.pages or [])
+        outs = _padded(into, len(pages))
+        nbytes = sum(p.nbytes for p in pages if p is not None)
+        opened = self._spread.map(
+            lambda run: [None if p is None else self.sealer.open(p, tenant, (o,))
+                         for p, o in run], list(zip(pages, outs)), nbytes)
+        bad = [key for key, page, got in zip(transfer.keys, pages, opened)
+               if got is not None and got.reason is not None
+               and self._refused(page, got, transfer.pool, tenant)]
         if bad:   # NOTE: the store deletes them, so the page can be stored again
             self.inner.discard_v2(transfer.pool, bad)
-        return msgspec.structs.replace(transfer, pages=pages)
+        return msgspec.structs.replace(transfer, pages=[None if got is None else got.record
+                                                        for got in opened])
+
+    def _refused(self, page: PageRecord, got: Opened, pool: str, tenant: str) -> bool:
+        """Count a record that did not open; whether its store should discard it."""
+        log.warning("L3 record %s/%s does not open: %s", pool, page.name.hex(), got.detail)
+        self._miss(got.reason or MissReason.VERIFICATION_FAILED)
+        seal = page.header.seal
+        # NOTE: another owner's record is left alone (this reader cannot tell it is bad);
+        # a set under this owner's key replaces it.
+        return seal is None or seal.owner == self.sealer.keyring.owner(tenant)
 
     def _miss(self, reason: MissReason) -> None:
         self._stats.count(Event.MISS, reason)   # the store counts the discard

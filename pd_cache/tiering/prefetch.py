@@ -7,8 +7,9 @@
 No ``exists`` before the read: the get is the lookup, and a page it does not return is a
 miss (``not_stored``, or ``stale_index`` when an index said L3 held it). A page that does
 not arrive in time, does not verify, or is missing ends the prefetch there: the pages
-after it are recomputed. Host slots are taken only for the verified pages, so a miss
-evicts nothing from L2. A hybrid model without an index still asks ``exists`` first (its
+after it are recomputed. Without an index, host slots are taken only for the verified
+pages, so a miss evicts nothing from L2; with one, they are taken before the read and a
+store that can (sealed L3) opens each record straight into its slot. A hybrid model without an index still asks ``exists`` first (its
 resume point is the hit's last page, whose state the read must ask for).
 
 A hybrid model's batches end at the pages where a recurrent state may be kept (every
@@ -112,6 +113,11 @@ class Prefetcher:
         owner, started = f"prefetch:{req.rid}", time.perf_counter()
         chain = Chain.of(req, names, prefix, algo=self.link.algo)
         asked = self._asked(req, chain, l3_pages)
+        # NOTE: the index said L3 holds these pages: their slots are worth taking first.
+        into = self._alloc(asked, owner) if asked and l3_pages is not None \
+            and not self.link.has_state and hasattr(self.link.storage, "submit_get_into") \
+            else None
+        asked = asked if into is None else len(into)
         good: list[torch.Tensor] = []
         refused: list[bytes] = []
         states: dict[int, torch.Tensor] = {}
@@ -120,21 +126,36 @@ class Prefetcher:
             if asked:
                 reason = self._load(req, chain._replace(names=chain.names[:asked]),
                                     policy or self.config.prefetch_policy, refused, states,
-                                    good, stale=l3_pages is not None)
+                                    good, stale=l3_pages is not None, into=into)
         except Exception as e:  # noqa: BLE001 - a malformed answer is a miss, never a failure
             self.link.fault(req, "prefetch", MissReason.STORAGE_ERROR, e, asked)
             good, reason = [], MissReason.STORAGE_ERROR
         if len(chain.names) > asked:
             self.stats.count(Event.MISS, MissReason.NOT_STORED, len(chain.names) - asked)
-        slots = self._alloc(len(good), owner) if good else []
+        slots = self._place(good, owner, into)
         if slots:
-            self.host.write(slots, torch.stack(good[:len(slots)]))
             self.stats.count(Event.HIT, Tier.STORAGE, len(slots))
         # NOTE: a page L3 does not hold is a lookup's answer, not a failed transfer.
         wanted = len(good) if reason in (None, MissReason.NOT_STORED) else asked
         self.link.observe("prefetch", len(slots), wanted, started)
         return Prefetched(self.host, slots, owner, len(refused), states, self.link.has_state,
                           reason is MissReason.STALE_INDEX)
+
+    def _place(self, good: list[torch.Tensor], owner: str, into: list[int] | None) -> list[int]:
+        """Host slots holding ``good``, in order: ``into``'s leading ones (the rest freed;
+        pages a store opened straight into them are there already), else new ones."""
+        if into is None:
+            slots = self._alloc(len(good), owner) if good else []
+            if slots:
+                self.host.write(slots, torch.stack(good[:len(slots)]))
+            return slots
+        slots = into[:len(good)]
+        self.host.free(into[len(slots):], owner)
+        moved = [(slot, page) for slot, page in zip(slots, good)
+                 if page.data_ptr() != self.host.data[slot].data_ptr()]
+        if moved:
+            self.host.write([slot for slot, _ in moved], torch.stack([p for _, p in moved]))
+        return slots
 
     def _asked(self, req: Req, chain: Chain, l3_pages: int | None) -> int:
         """How many of ``chain.names`` to read: those below ``l3_pages``, else as many as
@@ -158,19 +179,21 @@ class Prefetcher:
 
     def _load(self, req: Req, chain: Chain, policy: str, refused: list[bytes],
               states: dict[int, torch.Tensor], good: list[torch.Tensor], *,
-              stale: bool) -> MissReason | None:
+              stale: bool, into: list[int] | None = None) -> MissReason | None:
         """Submit every batch, then verify them in order into ``good`` (the KV of the
         leading pages that verified); one ack per batch issued. Names of records another
         namespace produced are added to ``refused``, verified states to ``states``.
         Returns why the pages stopped (``None``: all of them came); the asked pages that
-        did not come are counted under it (``stale``: a missing one is ``stale_index``)."""
+        did not come are counted under it (``stale``: a missing one is ``stale_index``).
+        ``into``: host slots the records may be opened straight into, one per name."""
         asks = self._state_pages(chain)
         batches = runs(len(chain.names), self.config.batch_pages, asks)
         prefix, issued = self.link.start_prefix(chain), []
         for run in batches:
             batch = chain.names[run.start:run.stop]
+            rows = None if into is None else self.host.rows(into[run.start:run.stop])
             issued.append(self._submit_get(batch, run.stop - 1 in asks,
-                                           self.link.info(req, chain, prefix)))
+                                           self.link.info(req, chain, prefix), rows))
             self.stats.count(PREFETCH_BATCH)
             prefix = None if prefix is None else prefix + batch
         deadline = self.deadline(policy, len(chain.names) * self.link.page_size)
@@ -192,15 +215,19 @@ class Prefetcher:
         return {i for i in range(len(chain.names)) if (before + i + 1) % every == 0} | \
             {len(chain.names) - 1}
 
-    def _submit_get(self, batch: list[bytes], with_state: bool,
-                    info: Any) -> Pending[Answer] | Exception:
-        """One batch's get: the KV pool alone (the v1 call), or KV and, as a trailing
-        sidecar, the state of its last page (``batch_get_v2``)."""
+    def _submit_get(self, batch: list[bytes], with_state: bool, info: Any,
+                    rows: list[torch.Tensor] | None = None) -> Pending[Answer] | Exception:
+        """One batch's get: the KV pool alone (the v1 call; opened straight into ``rows``
+        when given), or KV and, as a trailing sidecar, the state of its last page
+        (``batch_get_v2``)."""
+        storage = self.link.storage
         try:
+            if not with_state and rows is not None:
+                return storage.submit_get_into(batch, rows, info).then(_kv_answer)
             if not with_state:
-                return self.link.storage.submit_get(batch, info).then(_kv_answer)
+                return storage.submit_get(batch, info).then(_kv_answer)
             transfers = [PoolTransfer(KV_POOL, batch), PoolTransfer(STATE_POOL, batch[-1:])]
-            return self.link.storage.submit_get_v2(transfers, info).then(_answer)
+            return storage.submit_get_v2(transfers, info).then(_answer)
         except Exception as e:  # noqa: BLE001 - counted when the batch is landed
             return e
 

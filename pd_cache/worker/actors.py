@@ -27,6 +27,7 @@ from pd_cache.core.config import PDCacheConfig
 from pd_cache.core.request import Req
 from pd_cache.core.sealing import Keyring, KeyState
 from pd_cache.core.wire import DecodeInfo, PrefillInfo
+from pd_cache.worker import key_state
 from pd_cache.worker.workers import DecodeWorker, PrefillResult, PrefillWorker
 
 log = logging.getLogger(__name__)
@@ -48,13 +49,13 @@ def _storage_client(handles: Sequence[Any], config: PDCacheConfig,
     if not handles or not config.storage.enabled:
         return None
     from pd_cache.storage.client import StorageClient
-    from pd_cache.storage.seal import SealedStorage, Sealer
+    from pd_cache.storage.seal import SCRATCH_BYTES, SealedStorage, Sealer
     from pd_cache.storage.tier import resolve
 
     client = StorageClient(resolve(handles), algo=config.cache.hash_algo, timeout_s=timeout_s,
                            metrics=metrics, segment_pages=config.storage.segment_pages)
     sealer = Sealer(keyring or Keyring.random(), enabled=config.storage.seal)
-    return SealedStorage(client, sealer, metrics)
+    return SealedStorage(client, sealer, metrics, scratch_bytes=SCRATCH_BYTES)
 
 
 def _in_process(config: PDCacheConfig, storage_handles: Sequence[Any], threads: int,
@@ -86,7 +87,9 @@ class _Hosted:
     _seeds: dict[str, set[bytes]]
 
     def _host(self, keyring: Keyring | None) -> Keyring:
-        self.keyring, self._seeds = keyring or Keyring.random(), {}
+        # NOTE: the cluster's state now, not the one this actor was first given: a
+        # restarted worker reads and writes under the keys its peers use (key_state).
+        self.keyring, self._seeds = key_state.refreshed(keyring or Keyring.random()), {}
         return self.keyring
 
     def _publish(self, index: Sequence[Any]) -> None:

@@ -1,10 +1,14 @@
 """Sealed L3 on a real cluster (1 prefill, 1 decode, 1 disk shard): the files give no prompt
 back, a key rotation keeps old records readable until retired, a purge forgets one tenant
-in every tier while another keeps its pages, and a tenant over its L3 quota evicts only its
-own pages (the shard knows it by owner label)."""
+in every tier while another keeps its pages, a tenant over its L3 quota evicts only its own
+pages (the shard knows it by owner label), and a worker killed with SIGKILL comes back with
+the cluster's keys."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -130,3 +134,39 @@ def test_a_noisy_tenant_over_its_quota_cannot_evict_a_quiet_one(cluster: PDClust
     assert held["quiet"] >= 8 * page and held["noisy"] <= quota
     cluster.set_quotas({})
     assert_idle(cluster)
+
+
+def test_a_restarted_worker_comes_back_with_the_cluster_keys(cluster: PDCluster,
+                                                              config: ClusterConfig) -> None:
+    """kill -9 of the prefill worker after a rotation: the new process has the cluster's key
+    state, not the one it was started with; it reads the records written before its restart
+    under both still-valid versions, and those of a version retired since are misses."""
+    pd = with_weights_digest(config.pd_config)
+    model, vocab = Model(pd.model), pd.model.vocab_size
+    old, new = clusters.tokens(3, 5 * PS + 1, vocab), clusters.tokens(4, 4 * PS + 1, vocab)
+    assert sum(ask(cluster, model, "gamma", old).values()) == 0   # sealed under version v
+    rotated = cluster.rotate_keys()
+    assert sum(ask(cluster, model, "gamma", new).values()) == 0   # under v + 1
+    pid = ray.get(cluster.prefill[0].pid.remote())
+    os.kill(pid, signal.SIGKILL)
+    end = time.monotonic() + 30
+    while (now := _pid(cluster)) in (None, pid) and time.monotonic() < end:
+        time.sleep(0.2)
+    assert now not in (None, pid)
+    assert ray.get(cluster.prefill[0].__ray_call__.remote(
+        lambda worker: worker.keyring.state)) == rotated
+    forget_workers(cluster)   # the decode worker's pages too: what follows comes from L3
+    assert ask(cluster, model, "gamma", old)["storage"] == 5 * PS
+    assert ask(cluster, model, "gamma", new)["storage"] == 4 * PS
+    assert cluster.retire_keys().wait(timeout=30) >= 5
+    forget_workers(cluster)
+    assert ask(cluster, model, "gamma", old)["storage"] == 0
+    assert ask(cluster, model, "gamma", new)["storage"] == 4 * PS
+    assert_idle(cluster)
+
+
+def _pid(cluster: PDCluster) -> int | None:
+    try:
+        return ray.get(cluster.prefill[0].pid.remote(), timeout=5)
+    except ray.exceptions.RayError:
+        return None

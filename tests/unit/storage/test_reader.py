@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from pd_cache.storage import reader
+from pd_cache.storage import reader, spread
 from pd_cache.storage.reader import Checksummer, receive
 from pd_cache.storage.record import PageRecord, checksums, verify, verify_all
 from pd_cache.storage.shared import SharedPages
@@ -39,7 +39,7 @@ def test_verify_all_matches_verify_record_by_record() -> None:
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_checksummer_splits_large_batches_and_keeps_order(monkeypatch: pytest.MonkeyPatch,
                                                           threads: int) -> None:
-    monkeypatch.setattr(reader, "PARALLEL_MIN_BYTES", 1)
+    monkeypatch.setattr(spread, "PARALLEL_MIN_BYTES", 1)
     tensors = [torch.arange(n * 64, dtype=torch.float32) for n in range(1, 8)]
     hasher = Checksummer(threads)
     assert hasher(tensors) == checksums(tensors)

@@ -13,7 +13,7 @@ import torch
 from pd_cache.core.config import PDCacheConfig
 from pd_cache.core.sealing import Keyring
 from pd_cache.model.model import Model
-from pd_cache.storage import PageRecord, make_record
+from pd_cache.storage import PageRecord, make_record, spread
 from pd_cache.storage.base import ExtraInfo
 from pd_cache.storage.disk import FRAME, MAGIC, DiskBackend
 from pd_cache.storage.record import as_bytes, decode_header, encode_header
@@ -153,3 +153,39 @@ def test_each_aead_is_the_standard_one_over_payload_and_header(aead: str) -> Non
     opened = sealer.open(rec, "t").record
     assert opened is not None and bits(opened.payload()) == plain
     assert opened.header == msgspec.structs.replace(rec.header, seal=None)
+
+
+@pytest.mark.parametrize("seal", [True, False])
+def test_pages_land_straight_in_the_slots_they_are_read_for(tmp_path: Path, seal: bool,
+                                                            monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    """Sets seal into one reused buffer, on two threads; a get into slots opens (sealed) or
+    copies (unsealed) each page into its slot, the slot is the record's payload, and a
+    damaged record is a counted miss while the pages around it still land."""
+    monkeypatch.setattr(spread, "PARALLEL_MIN_BYTES", 1)   # two threads even for tiny pages
+    layout = layout_for()
+    chain, other = Chain(layout, 4, seed=1), Chain(layout, 4, seed=2)
+    disk = DiskBackend(tmp_path, layout, 1 << 20, fsync=False)
+    store = SealedStorage(disk, Sealer(Keyring(SECRET), enabled=seal), scratch_bytes=1 << 20,
+                          threads=2)
+    assert store.batch_set(chain.names, chain.records, as_tenant("t")) == [True] * 4
+    # the next set reuses the buffer: what the first one stored is untouched
+    assert store.batch_set(other.names, other.records, as_tenant("t")) == [True] * 4
+    slots = torch.zeros((4, *layout.page_shape), dtype=torch.float32)
+    got = store.submit_get_into(chain.names, list(slots), as_tenant("t")).result()
+    for g, row, want in zip(got, slots, chain.records):
+        assert g is not None and g.payload().data_ptr() == row.data_ptr()
+        assert bits(row) == bits(want.payload())
+    if not seal:
+        return
+    path = disk._path(("kv", chain.names[2]))
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0xFF   # the last byte of the tag
+    path.write_bytes(bytes(raw))
+    slots.zero_()
+    got = store.submit_get_into(chain.names, list(slots), as_tenant("t")).result()
+    assert [g is None for g in got] == [False, False, True, False]
+    assert bits(slots[3]) == bits(chain.records[3].payload())
+    assert store.stats()["miss/verification_failed"] == 1
+    with pytest.raises(ValueError, match="into"):
+        store.submit_get_into(chain.names, list(slots[:2]), as_tenant("t"))
