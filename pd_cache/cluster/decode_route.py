@@ -110,21 +110,31 @@ class DecodeRouting:
         shared pages there, waiting for them to arrive if need be."""
         worker = self._by_load(failed)
         self.decode_router.record(worker, names)
-        if names:
-            self.decode[worker].expect.remote(req.rid, list(names))
-        return Reserved(worker, announced=bool(names))
+        # NOTE: counted in the worker's load from now to its decode call (``_unplace``):
+        # the next requests of a burst are placed by it too, not all on one worker.
+        self.decode_router.begin(worker)
+        self.decode[worker].expect.remote(req.rid, list(names))
+        return Reserved(worker, announced=True)
+
+    def _unplace(self, reserved: Reserved) -> None:
+        """A placed request leaves its prefill: its load counts from its decode call on."""
+        if reserved.announced and reserved.worker is not None:
+            self.decode_router.end(reserved.worker)
 
     def _settle(self, reserved: Reserved, info: PrefillInfo, pinned: int | None) -> Reserved:
         """After prefill: a reservation it did not use (the worker held nothing, or its
         call failed or came too late) is released, and the decode worker is chosen anew
         (``_pick_decode``) unless ``pinned``."""
+        self._unplace(reserved)
         if reserved.call is None or info.kept_pages:
             return reserved
         self._release(reserved, info.rid)
         return Reserved(pinned)
 
     def _release(self, reserved: Reserved, rid: str) -> None:
-        """The request will not use its reservation: unlock the pages there."""
+        """The request will not use its reservation (its prefill failed): unlock the pages
+        there."""
+        self._unplace(reserved)
         if reserved.worker is not None and (reserved.call is not None or reserved.announced):
             self.decode[reserved.worker].release.remote(rid)
 
