@@ -112,7 +112,8 @@ def test_exists_is_the_consecutive_prefix_across_shards(
 
 
 def test_prefix_keys_through_client(shards: Callable[[str], list[Any]]) -> None:
-    client = StorageClient(shards("float32"))
+    # a page per segment: placed as without a chain, so this test may mix the two
+    client = StorageClient(shards("float32"), segment_pages=1)
     chain = Chain(config_for().layout, 9, seed=22)
     other = Chain(config_for().layout, 1, extra_key="tenant-b")
     refused_before = client.stats().get("refused/namespace_refused", 0)
