@@ -10,9 +10,10 @@ holds the first ``L``::
             + host_ms x h + l3_ms x l3(w)       loaded (device pages cost nothing)
             + queue_ms x in_flight(w)           its queue (this front's count)
 
-The least cost wins (then the least loaded, then the lowest id). An index that does not
-answer within ``index_timeout_s`` (dead, restarting, slow) leaves the choice to the local
-hints (``PrefixRouter.pick``), which every front keeps as before.
+Pages this front routed to ``w`` that the index does not show yet (its hints) count as
+device pages. The least cost wins (then the least loaded, then the lowest id). An index
+that does not answer within ``index_timeout_s`` (dead, restarting, slow) leaves the choice
+to the local hints (``PrefixRouter.pick``), which every front keeps as before.
 """
 
 from __future__ import annotations
@@ -50,22 +51,26 @@ class IndexRoute(NamedTuple):
 
 
 def cost(found: IndexAnswer, publisher: str, num_pages: int, load: int,
-         w: RouteWeights) -> float:
-    """The module docstring's ``cost(w)`` of ``publisher`` (e.g. ``prefill-0``)."""
+         w: RouteWeights, hinted: int = 0) -> float:
+    """The module docstring's ``cost(w)`` of ``publisher`` (e.g. ``prefill-0``); ``hinted``:
+    the pages this front routed there, which may not be published yet (counted on device)."""
     hit = found.workers.get(publisher)
     device, host = (hit.device, hit.host) if hit is not None else (0, 0)
+    device += max(0, hinted - device - host)
     l3 = max(0, found.l3_pages - device - host)
     recompute = max(0, num_pages - device - host - l3)
     return w.compute_ms * recompute + w.host_ms * host + w.l3_ms * l3 + w.queue_ms * load
 
 
 def pick(found: IndexAnswer, role: str, num_pages: int, loads: Sequence[int],
-         live: Sequence[int], w: RouteWeights) -> Route:
-    """The live worker of least cost; its cached pages as the index has them."""
-    best = min(live, key=lambda k: (cost(found, f"{role}-{k}", num_pages, loads[k], w),
-                                    loads[k], k))
+         live: Sequence[int], w: RouteWeights, hinted: Sequence[int] = ()) -> Route:
+    """The live worker of least cost; its cached pages as the index (or, where more, this
+    front's ``hinted`` pages per worker) has them."""
+    hints = list(hinted) or [0] * len(loads)
+    best = min(live, key=lambda k: (cost(found, f"{role}-{k}", num_pages, loads[k], w,
+                                         hints[k]), loads[k], k))
     hit = found.workers.get(f"{role}-{best}")
-    return Route(best, hit.pages if hit is not None else 0)
+    return Route(best, max(hit.pages if hit is not None else 0, hints[best]))
 
 
 class IndexClient:
@@ -109,6 +114,10 @@ class IndexRouting:
             route = self.prefill_router.pick(names, failed)
             return IndexRoute(route.worker, route.matched_pages, None)
         self.routed["index"] += 1
-        route = pick(found, "prefill", len(names), self.prefill_router.loads, live,
-                     RouteWeights.of(self.config))
+        # NOTE: the index learns a prefill's pages once it ran and flushed; what this front
+        # routed since (a tenant's burst on one system prompt) only its hints know.
+        router = self.prefill_router
+        hinted = [router.matched(k, names) for k in range(len(router.loads))]
+        route = pick(found, "prefill", len(names), router.loads, live,
+                     RouteWeights.of(self.config), hinted)
         return IndexRoute(route.worker, route.matched_pages, found.l3_pages)

@@ -55,6 +55,14 @@ def until(check: Any, what: str, timeout_s: float = 20.0) -> Any:
     raise AssertionError(f"never: {what}")
 
 
+def answered(method: Any) -> Any:
+    """The actor's answer, ``None`` while it restarts."""
+    try:
+        return ray.get(method.remote(), timeout=5)
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return None
+
+
 def lookup(front: PDCluster, req: Req) -> IndexAnswer | None:
     assert front.index is not None
     return asyncio.run(front.index.lookup(front.router_names(req)))
@@ -96,7 +104,7 @@ def test_index_routes_two_fronts_alike_survives_its_kill_and_drops_a_restarted_w
     outs = asyncio.run(run())
     assert [o.output_ids for o in outs] == [expected(model, r) for r in reqs]
     assert cluster.routed["hints"] > hints                          # fell back meanwhile
-    assert ray.get(victim.pid.remote()) != pid                        # a new, empty index
+    until(lambda: answered(victim.pid) not in (None, pid), "a new index process")
     until(lambda: (a := lookup(cluster, first)) and a.l3_pages == full
           and a.workers.get("prefill-1") and a.workers.get("decode-0"),
           "the index rebuilt from snapshots")

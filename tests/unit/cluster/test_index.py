@@ -97,3 +97,10 @@ def test_pick_prefers_what_is_cheapest_to_load_then_the_shorter_queue() -> None:
     l3 = IndexAnswer({}, 50)                                           # all in L3: by load
     assert pick(l3, "prefill", 50, [2, 1], [0, 1], W).worker == 1
     assert pick(IndexAnswer({}, 0), "prefill", 5, [0, 0], [0, 1], W) == (0, 0)
+
+
+def test_pages_routed_but_not_yet_published_count_as_held() -> None:
+    found = IndexAnswer({"prefill-0": WorkerHit(0, 2)}, 0)
+    assert pick(found, "prefill", 32, [1, 0], [0, 1], W).worker == 1   # index alone: idle 1
+    route = pick(found, "prefill", 32, [1, 0], [0, 1], W, hinted=[32, 0])
+    assert route == (0, 32)        # this front just sent the prompt there: it will hold it
