@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any
@@ -42,7 +41,7 @@ from pd_cache.cluster.calls import abandon, unwrap
 from pd_cache.cluster.decode_route import NOTHING, DecodeRouting, Reserved, decode_balance
 from pd_cache.cluster.health import Liveness, WorkerDied, ping_all, worker_died
 from pd_cache.cluster.index_route import IndexClient, IndexRouting
-from pd_cache.cluster.operations import NAMESPACE, ClusterOperations
+from pd_cache.cluster.operations import ClusterOperations
 from pd_cache.cluster.router import PrefixRouter
 from pd_cache.core.cluster_config import ClusterConfig
 from pd_cache.core.request import Req, compute_prefix_hash
@@ -78,49 +77,11 @@ class PDCluster(IndexRouting, DecodeRouting, ClusterOperations):
         With ``name`` the actors are named and detached (Ray namespace ``pd-cache``): they
         outlive this process, and a later ``start`` with the same name attaches to them
         (``destroy(name)`` removes them)."""
-        import ray
+        from pd_cache.cluster.launch import launch
 
-        from pd_cache.cluster.index import index_actors, index_bound
-        from pd_cache.core.sealing import cluster_keyring
-        from pd_cache.model.digest import with_weights_digest
-        from pd_cache.storage.tier import ShardName, storage_actors
-        from pd_cache.worker import key_state
-        from pd_cache.worker.actors import decode_actor, prefill_actor
-
-        if not isinstance(config, ClusterConfig):
-            raise ValueError(f"config: expected ClusterConfig, got {type(config).__name__}")
-        if not ray.is_initialized():
-            ray.init()
-        # NOTE: the weights digest is pinned once, here: the storage shards (no model) read
-        # it from the config to partition L3, and each worker checks its own weights match.
-        pd = with_weights_digest(config.pd_config)
-        named = _namer(name)
-        # NOTE: storage shards are named even in a cluster without a name (a unique one,
-        # not detached), so workers are told their names, not handles (see ShardName).
-        base = name or f"pd-cache-{os.urandom(6).hex()}"
-        shards, at = f"{base}/storage", f"{base}/index"
-        index = index_actors(config.index_shards, index_bound(config), at, NAMESPACE,
-                             detached=bool(name)) if config.cache else []
-        index_names = [ShardName(f"{at}-{i}", NAMESPACE) for i in range(len(index))]
-        # NOTE: a cluster attached by name goes on with the key state it saved.
-        keyring = key_state.refreshed(cluster_keyring(secret, f"{base}/keys"))
-        key_state.save(f"{base}/keys", keyring.state)
-        storage = (storage_actors(pd, shards, detached=bool(name), namespace=NAMESPACE,
-                                  max_restarts=config.storage_restarts, index=index_names)
-                   if config.with_storage else [])
-        shard_names = [ShardName(f"{shards}-{i}", NAMESPACE) for i in range(len(storage))]
-        opts = {"threads": config.threads, "num_cpus": config.actor_cpus,
-                "keyring": keyring,
-                "storage_timeout_s": config.storage_timeout_s,
-                "max_restarts": config.worker_restarts, "index": index_names}
-        prefill = [prefill_actor(pd, i, shard_names, actor=named("prefill", i), **opts)
-                   for i in range(config.num_prefill)]
-        decode = [decode_actor(pd, i, shard_names, max_batch=config.decode_batch,
-                               actor=named("decode", i), **opts)
-                  for i in range(config.num_decode)]
-        ray.get([a.ready.remote() for a in prefill + decode] + [s.ping.remote() for s in storage])
-        cluster = cls(config, prefill, decode, storage, index)
-        cluster.keys, cluster.keys_name = keyring.state, keyring.name
+        actors = launch(config, name, secret)
+        cluster = cls(config, actors.prefill, actors.decode, actors.storage, actors.index)
+        cluster.keys, cluster.keys_name = actors.keys.state, actors.keys.name
         return cluster
 
     # -- requests -----------------------------------------------------------------------
@@ -347,14 +308,6 @@ class PDCluster(IndexRouting, DecodeRouting, ClusterOperations):
         if isinstance(worker, bool) or not isinstance(worker, int) \
                 or not 0 <= worker < len(actors):
             raise ValueError(f"{field}: expected an int in [0, {len(actors)}), got {worker!r}")
-
-
-def _namer(name: str | None) -> Any:
-    from pd_cache.worker.actors import named
-
-    def options(role: str, i: int) -> dict[str, Any] | None:
-        return named(f"{name}/{role}-{i}", NAMESPACE) if name else None
-    return options
 
 
 __all__ = ["ClusterConfig", "Completion", "PDCluster", "PageNames"]

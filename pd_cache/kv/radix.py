@@ -29,7 +29,7 @@ import torch
 
 from pd_cache.core.config import WRITE_POLICIES
 from pd_cache.core.events import STORED
-from pd_cache.core.fields import check_fraction
+from pd_cache.core.fields import check_fraction, one_of
 from pd_cache.core.pins import Pins
 from pd_cache.core.stats import Stats
 from pd_cache.core.vocab import Event
@@ -62,9 +62,7 @@ class RadixCache(Pinning, PrefixCache):
                  states: StatePool | None = None, max_pinned_fraction: float = 0.5,
                  clock: Callable[[], float] = time.monotonic) -> None:
         check_fraction("cache.max_pinned_fraction", max_pinned_fraction)
-        if write_policy not in WRITE_POLICIES:
-            raise ValueError(f"cache.write_policy: expected one of {list(WRITE_POLICIES)}, "
-                             f"got {write_policy!r}")
+        one_of("cache.write_policy", write_policy, WRITE_POLICIES)
         if device.layout != host.layout:
             raise ValueError(f"layout: device pool {device.layout} != host pool {host.layout}")
         if states is not None and states.layout != device.layout:
@@ -329,13 +327,9 @@ class RadixCache(Pinning, PrefixCache):
 
     def held(self) -> dict[str, list[bytes]]:
         """Every page's name by the tier holding it (a KV events snapshot)."""
-        out: dict[str, list[bytes]] = {Tier.DEVICE.value: [], Tier.HOST.value: []}
-        for n in iter_nodes(self.root):
-            if n.device_slot is not None:
-                out[Tier.DEVICE.value].append(n.name)
-            if n.host_slot is not None:
-                out[Tier.HOST.value].append(n.name)
-        return out
+        nodes = list(iter_nodes(self.root))
+        return {Tier.DEVICE.value: [n.name for n in nodes if n.device_slot is not None],
+                Tier.HOST.value: [n.name for n in nodes if n.host_slot is not None]}
 
     @property
     def num_device_pages(self) -> int:
