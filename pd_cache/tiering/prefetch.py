@@ -9,8 +9,9 @@ miss (``not_stored``, or ``stale_index`` when an index said L3 held it). A page 
 not arrive in time, does not verify, or is missing ends the prefetch there: the pages
 after it are recomputed. Without an index, host slots are taken only for the verified
 pages, so a miss evicts nothing from L2; with one, they are taken before the read and a
-store that can (sealed L3) opens each record straight into its slot. A hybrid model without an index still asks ``exists`` first (its
-resume point is the hit's last page, whose state the read must ask for).
+store that can (sealed L3) opens each record straight into its slot. A hybrid model
+without an index still asks ``exists`` first (its resume point is the hit's last page,
+whose state the read must ask for).
 
 A hybrid model's batches end at the pages where a recurrent state may be kept (every
 ``state_every`` pages, and the last page of the hit); each such batch is one
