@@ -16,7 +16,8 @@ device pages. ``balance`` is the hint router's ``balance_threshold``: a queue wi
 costs nothing, so a shared prefix keeps its worker as it does with the hints. ``l3_ms`` is
 ``compute_ms`` under ``best_effort`` prefetch, which does not wait for L3: an L3 page that
 has not arrived when prefill starts is recomputed, so routing gives it no credit. The least
-cost wins, then the prompt's *home* worker: the live worker ranked first by a hash of the
+cost wins, then the least loaded (new prompts spread over the workers' caches), then the
+prompt's *home* worker: the live worker ranked first by a hash of the
 prompt's first page name and the worker's id (rendezvous), the same in every front, so two
 fronts that see no holder yet send one system prompt to one worker. An index that does not
 answer within ``index_timeout_s`` (dead, restarting, slow) leaves the choice to the local
@@ -90,9 +91,10 @@ def pick(found: IndexAnswer, role: str, num_pages: int, loads: Sequence[int],
     hints = list(hinted) or [0] * len(loads)
     least = min(loads[k] for k in live)
 
-    def key(k: int) -> tuple[float, bytes]:
+    def key(k: int) -> tuple[float, int, bytes]:
         excess = max(0, loads[k] - least - w.balance)
-        return cost(found, f"{role}-{k}", num_pages, excess, w, hints[k]), home_rank(first, k)
+        return (cost(found, f"{role}-{k}", num_pages, excess, w, hints[k]), loads[k],
+                home_rank(first, k))
 
     best = min(live, key=key)
     hit = found.workers.get(f"{role}-{best}")

@@ -120,20 +120,24 @@ def test_best_effort_prices_an_l3_page_as_recomputed() -> None:
     assert pick(found, "prefill", 32, loads, [0, 1], best_effort).worker == 0
 
 
-def test_a_prompt_no_worker_holds_goes_home_whatever_each_front_counts_in_flight() -> None:
+def test_a_prompt_no_worker_holds_goes_to_the_least_loaded_then_home() -> None:
     w, nobody = W._replace(balance=2), IndexAnswer({}, 0)
     homes = set()
     for first in page_hashes(list(range(64)), 4):     # 16 prompts' first pages
-        one_front = pick(nobody, "prefill", 8, [0, 1, 2], [0, 1, 2], w, first=first)
-        other_front = pick(nobody, "prefill", 8, [2, 0, 1], [0, 1, 2], w, first=first)
-        assert one_front == other_front
+        one_front = pick(nobody, "prefill", 8, [1, 1, 1], [0, 1, 2], w, first=first)
+        other_front = pick(nobody, "prefill", 8, [0, 0, 0], [0, 1, 2], w, first=first)
+        assert one_front == other_front                # equal loads: the same home
         homes.add(one_front.worker)
     assert homes == {0, 1, 2}
     first = NAMES[0]
     home = pick(nobody, "prefill", 8, [0, 0, 0], [0, 1, 2], w, first=first).worker
-    overloaded = [3 if k == home else 0 for k in range(3)]
-    assert pick(nobody, "prefill", 8, overloaded, [0, 1, 2], w, first=first).worker != home
+    busier = [1 if k == home else 0 for k in range(3)]
+    assert pick(nobody, "prefill", 8, busier, [0, 1, 2], w, first=first).worker != home
     assert home_rank(first, home) == home_rank(first, home)
+    # a worker holding the prompt keeps it while its queue is within the balance
+    held = IndexAnswer({f"prefill-{home}": WorkerHit(8, 0)}, 0)
+    assert pick(held, "prefill", 8, [2 if k == home else 0 for k in range(3)], [0, 1, 2],
+                w, first=first).worker == home
 
 
 def test_pages_routed_but_not_yet_published_count_as_held() -> None:
