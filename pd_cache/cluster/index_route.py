@@ -5,21 +5,30 @@ replicas route as one would. For each live prefill worker ``w`` the cost of serv
 prompt of ``N`` full pages, of which ``w`` holds ``d`` on device and ``h`` on host and L3
 holds the first ``L``::
 
-    l3(w)   = max(0, L - d - h)                 pages L3 adds after w's own
-    cost(w) = compute_ms x (N - d - h - l3(w))  recomputed
-            + host_ms x h + l3_ms x l3(w)       loaded (device pages cost nothing)
-            + queue_ms x in_flight(w)           its queue (this front's count)
+    l3(w)     = max(0, L - d - h)                 pages L3 adds after w's own
+    excess(w) = max(0, in_flight(w) - min over live workers of in_flight - balance)
+    cost(w)   = compute_ms x (N - d - h - l3(w))  recomputed
+              + host_ms x h + l3_ms x l3(w)       loaded (device pages cost nothing)
+              + queue_ms x excess(w)              its queue beyond the balance (this front's)
 
 Pages this front routed to ``w`` that the index does not show yet (its hints) count as
-device pages. The least cost wins (then the least loaded, then the lowest id). An index
-that does not answer within ``index_timeout_s`` (dead, restarting, slow) leaves the choice
-to the local hints (``PrefixRouter.pick``), which every front keeps as before.
+device pages. ``balance`` is the hint router's ``balance_threshold``: a queue within it
+costs nothing, so a shared prefix keeps its worker as it does with the hints. ``l3_ms`` is
+``compute_ms`` under ``best_effort`` prefetch, which does not wait for L3: an L3 page that
+has not arrived when prefill starts is recomputed, so routing gives it no credit. The least
+cost wins, then the least loaded (new prompts spread over the workers' caches), then the
+prompt's *home* worker: the live worker ranked first by a hash of the
+prompt's first page name and the worker's id (rendezvous), the same in every front, so two
+fronts that see no holder yet send one system prompt to one worker. An index that does not
+answer within ``index_timeout_s`` (dead, restarting, slow) leaves the choice to the local
+hints (``PrefixRouter.pick``), which every front keeps as before.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import hashlib
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -34,11 +43,15 @@ class RouteWeights(NamedTuple):
     host_ms: float
     l3_ms: float
     queue_ms: float
+    balance: int = 0
 
     @classmethod
     def of(cls, config: ClusterConfig) -> RouteWeights:
-        return cls(config.route_compute_ms, config.route_host_ms, config.route_l3_ms,
-                   config.route_queue_ms)
+        """The config's weights; an L3 page costs a recompute under ``best_effort``."""
+        waits = config.prefetch_policy != "best_effort"
+        l3_ms = config.route_l3_ms if waits else config.route_compute_ms
+        return cls(config.route_compute_ms, config.route_host_ms, l3_ms,
+                   config.route_queue_ms, config.balance_threshold)
 
 
 class IndexRoute(NamedTuple):
@@ -50,25 +63,40 @@ class IndexRoute(NamedTuple):
     l3_pages: int | None
 
 
-def cost(found: IndexAnswer, publisher: str, num_pages: int, load: int,
+def cost(found: IndexAnswer, publisher: str, num_pages: int, excess: int,
          w: RouteWeights, hinted: int = 0) -> float:
-    """The module docstring's ``cost(w)`` of ``publisher`` (e.g. ``prefill-0``); ``hinted``:
-    the pages this front routed there, which may not be published yet (counted on device)."""
+    """The module docstring's ``cost(w)`` of ``publisher`` (e.g. ``prefill-0``); ``excess``:
+    its requests in flight beyond the balance; ``hinted``: the pages this front routed
+    there, which may not be published yet (counted on device)."""
     hit = found.workers.get(publisher)
     device, host = (hit.device, hit.host) if hit is not None else (0, 0)
     device += max(0, hinted - device - host)
     l3 = max(0, found.l3_pages - device - host)
     recompute = max(0, num_pages - device - host - l3)
-    return w.compute_ms * recompute + w.host_ms * host + w.l3_ms * l3 + w.queue_ms * load
+    return w.compute_ms * recompute + w.host_ms * host + w.l3_ms * l3 + w.queue_ms * excess
+
+
+def home_rank(first: bytes, worker: int) -> bytes:
+    """Rendezvous rank of ``worker`` for a prompt whose first page is named ``first``:
+    the least is its home, the same in every process."""
+    return hashlib.blake2b(first + worker.to_bytes(4, "little"), digest_size=8).digest()
 
 
 def pick(found: IndexAnswer, role: str, num_pages: int, loads: Sequence[int],
-         live: Sequence[int], w: RouteWeights, hinted: Sequence[int] = ()) -> Route:
-    """The live worker of least cost; its cached pages as the index (or, where more, this
-    front's ``hinted`` pages per worker) has them."""
+         live: Sequence[int], w: RouteWeights, hinted: Sequence[int] = (),
+         first: bytes = b"") -> Route:
+    """The live worker of least cost, then the prompt's home (``first``: its first page
+    name); its cached pages as the index (or, where more, this front's ``hinted`` pages
+    per worker) has them."""
     hints = list(hinted) or [0] * len(loads)
-    best = min(live, key=lambda k: (cost(found, f"{role}-{k}", num_pages, loads[k], w,
-                                         hints[k]), loads[k], k))
+    least = min(loads[k] for k in live)
+
+    def key(k: int) -> tuple[float, int, bytes]:
+        excess = max(0, loads[k] - least - w.balance)
+        return (cost(found, f"{role}-{k}", num_pages, excess, w, hints[k]), loads[k],
+                home_rank(first, k))
+
+    best = min(live, key=key)
     hit = found.workers.get(f"{role}-{best}")
     return Route(best, max(hit.pages if hit is not None else 0, hints[best]))
 
@@ -119,5 +147,5 @@ class IndexRouting:
         router = self.prefill_router
         hinted = [router.matched(k, names) for k in range(len(router.loads))]
         route = pick(found, "prefill", len(names), router.loads, live,
-                     RouteWeights.of(self.config), hinted)
+                     RouteWeights.of(self.config), hinted, names[0])
         return IndexRoute(route.worker, route.matched_pages, found.l3_pages)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from pd_cache.cluster.index import PageIndex, answer, locate
-from pd_cache.cluster.index_route import RouteWeights, cost, pick
+from pd_cache.cluster.index_route import RouteWeights, cost, home_rank, pick
+from pd_cache.core.cluster_config import ClusterConfig
 from pd_cache.core.events import (
     EventBatch,
     IndexAnswer,
@@ -96,7 +97,47 @@ def test_pick_prefers_what_is_cheapest_to_load_then_the_shorter_queue() -> None:
     assert pick(found, "prefill", 50, [0, 0], [0], W).worker == 0      # only the live ones
     l3 = IndexAnswer({}, 50)                                           # all in L3: by load
     assert pick(l3, "prefill", 50, [2, 1], [0, 1], W).worker == 1
-    assert pick(IndexAnswer({}, 0), "prefill", 5, [0, 0], [0, 1], W) == (0, 0)
+    assert pick(IndexAnswer({}, 0), "prefill", 5, [0, 0], [0, 1], W).matched_pages == 0
+
+
+def test_a_queue_within_the_balance_costs_nothing_beyond_it_each_request_does() -> None:
+    found = IndexAnswer({"prefill-0": WorkerHit(0, 40), "prefill-1": WorkerHit(40, 0)}, 0)
+    w = W._replace(balance=2)
+    assert pick(found, "prefill", 50, [0, 2], [0, 1], w).worker == 1   # 2 ahead: still 1
+    assert pick(found, "prefill", 50, [0, 3], [0, 1], w).worker == 0   # 1 beyond: 25 ms
+    assert cost(found, "prefill-1", 50, 1, w) == pytest.approx(10 * 2.0 + 25.0)
+
+
+def test_best_effort_prices_an_l3_page_as_recomputed() -> None:
+    waits = RouteWeights.of(ClusterConfig(prefetch_policy="wait_complete"))
+    assert (waits.l3_ms, waits.balance) == (0.3, 2)
+    best_effort = RouteWeights.of(ClusterConfig(prefetch_policy="best_effort"))
+    assert best_effort.l3_ms == best_effort.compute_ms == 2.0
+    # worker 0 holds the prompt on host with one request beyond the balance; L3 holds it all
+    found = IndexAnswer({"prefill-0": WorkerHit(0, 32)}, 32)
+    loads = [3, 0]
+    assert pick(found, "prefill", 32, loads, [0, 1], waits).worker == 1      # L3 is cheap
+    assert pick(found, "prefill", 32, loads, [0, 1], best_effort).worker == 0
+
+
+def test_a_prompt_no_worker_holds_goes_to_the_least_loaded_then_home() -> None:
+    w, nobody = W._replace(balance=2), IndexAnswer({}, 0)
+    homes = set()
+    for first in page_hashes(list(range(64)), 4):     # 16 prompts' first pages
+        one_front = pick(nobody, "prefill", 8, [1, 1, 1], [0, 1, 2], w, first=first)
+        other_front = pick(nobody, "prefill", 8, [0, 0, 0], [0, 1, 2], w, first=first)
+        assert one_front == other_front                # equal loads: the same home
+        homes.add(one_front.worker)
+    assert homes == {0, 1, 2}
+    first = NAMES[0]
+    home = pick(nobody, "prefill", 8, [0, 0, 0], [0, 1, 2], w, first=first).worker
+    busier = [1 if k == home else 0 for k in range(3)]
+    assert pick(nobody, "prefill", 8, busier, [0, 1, 2], w, first=first).worker != home
+    assert home_rank(first, home) == home_rank(first, home)
+    # a worker holding the prompt keeps it while its queue is within the balance
+    held = IndexAnswer({f"prefill-{home}": WorkerHit(8, 0)}, 0)
+    assert pick(held, "prefill", 8, [2 if k == home else 0 for k in range(3)], [0, 1, 2],
+                w, first=first).worker == home
 
 
 def test_pages_routed_but_not_yet_published_count_as_held() -> None:
