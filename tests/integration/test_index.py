@@ -108,8 +108,10 @@ def test_index_routes_two_fronts_alike_survives_its_kill_and_drops_a_restarted_w
     until(lambda: (a := lookup(cluster, first)) and a.l3_pages == full
           and a.workers.get("prefill-1") and a.workers.get("decode-0"),
           "the index rebuilt from snapshots")
-    stats = ray.get(victim.stats.remote())
-    assert {"prefill-0", "prefill-1", "decode-0", "storage-0"} <= set(stats["publishers"])
+    # NOTE: each publisher comes back on its own next flush (a heartbeat when it is idle)
+    every = {"prefill-0", "prefill-1", "decode-0", "storage-0"}
+    until(lambda: every <= set(ray.get(victim.stats.remote())["publishers"]),
+          "every publisher known to the new index")
     # 4. a restarted worker's entries go with its old epoch
     worker_pid = ray.get(cluster.prefill[1].pid.remote())
     os.kill(worker_pid, signal.SIGKILL)
