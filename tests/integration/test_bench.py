@@ -55,8 +55,14 @@ def check_against_reference(workload: Workload, answers: dict[int, list[int]]) -
 
 def check_cache_figures(summary: dict[str, Any], records: list[Any]) -> None:
     cache = summary["results"]["cache"]
-    for rec in records:   # the oracle is an upper bound no real cache can beat
-        assert rec.cached_tokens <= rec.expected_cached_tokens, rec
+    # NOTE: the oracle takes requests in the order they were sent; the server may prefill
+    # two sent together in the other order (the later one's system prompt then serves the
+    # earlier), which moves hits between them but adds none: the bound holds in sum, and
+    # each request reuses at most its prompt's full pages before its last token.
+    for rec in records:
+        assert rec.cached_tokens <= (rec.prompt_tokens - 1) // PS * PS, rec
+    assert sum(r.cached_tokens for r in records) \
+        <= sum(r.expected_cached_tokens for r in records)
     assert cache["client"]["cached_tokens"] > 0
     # The server's counters, exported by the workers and shards themselves, agree with
     # what the answers said, tier by tier where the answers tell.
