@@ -30,6 +30,7 @@ from pd_cache.core.events import (
     WorkerHit,
     shard_of,
 )
+from pd_cache.core.fields import check_int_at_least
 
 Holder = tuple[str, str]   # (publisher, tier)
 LAGS = 100_000             # apply lags kept (the benchmark reads them)
@@ -46,9 +47,7 @@ class PageIndex:
     """One shard of the index (plain logic; ``IndexActor`` hosts it in Ray)."""
 
     def __init__(self, max_entries: int = 1 << 24) -> None:
-        if isinstance(max_entries, bool) or not isinstance(max_entries, int) \
-                or max_entries < 1:
-            raise ValueError(f"max_entries: expected an int >= 1, got {max_entries!r}")
+        check_int_at_least("max_entries", max_entries, 1)
         self.max_entries = max_entries
         self.masks: dict[bytes, int] = {}
         self.holders: list[Holder] = []

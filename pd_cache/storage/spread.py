@@ -13,6 +13,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+from pd_cache.core.fields import check_int_at_least
+
 T = TypeVar("T")
 U = TypeVar("U")
 
@@ -32,8 +34,7 @@ class Spread:
 
     def __init__(self, threads: int | None = None, name: str = "pd-cache-spread") -> None:
         threads = default_threads() if threads is None else threads
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-            raise ValueError(f"threads: expected an int >= 1, got {threads!r}")
+        check_int_at_least("threads", threads, 1)
         self.threads, self.name = threads, name
         self._pool: ThreadPoolExecutor | None = None
 
