@@ -38,10 +38,10 @@ class Pin(NamedTuple):
 
 
 def pinned_page_limit(fraction: float, *capacities: int) -> int:
-    """The most pages pinned at once in pools of these capacities (empty ones left out):
-    ``fraction`` of the smallest."""
-    sizes = [c for c in capacities if c]
-    return int(fraction * min(sizes)) if sizes else 0
+    """The most pages pinned at once over pools of these capacities that each hold at most
+    ``fraction`` of their pages pinned (a worker's device and host pools: a pinned page is
+    held in one of them)."""
+    return sum(int(fraction * c) for c in capacities)
 
 
 def check_ttl(field: str, ttl_s: object) -> float:

@@ -4,8 +4,10 @@ routes that list and drop a tenant's pins.
 A request that pins (``Req.pin_ttl_s``; the body's ``pd_cache.pin_ttl_s`` or
 ``prompt_cache_retention``) is refused with a 400 naming the limit it would pass:
 
-- ``max_pinned_fraction`` (cache config): its prompt has more full pages than a pool may
-  hold pinned, so no worker could ever keep it (checked from the config, no call);
+- ``max_pinned_fraction`` (cache config): its prompt has more full pages than a worker may
+  hold pinned, that fraction of its device pool plus that of its host pool (a pinned page
+  is held in one of them, ``pd_cache.kv.pinning``), so no worker could keep it (checked
+  from the config, no call);
 - ``max_pinned_bytes`` (the tenant's, key file): the tenant's pinned pages after this pin,
   each page once whatever workers and shards hold it (``PDCluster.pins``: one call to every
   worker and shard, made only for requests that pin), times the KV bytes of a page.
@@ -54,9 +56,9 @@ class PinGate:
         pages = len(req.input_ids) // self.page_size
         if pages > self.max_pages:
             raise HTTPError(400, f"pin: the prompt's {pages} full pages exceed "
-                                 f"max_pinned_fraction={self.fraction} of a pool "
-                                 f"({self.max_pages} pages)", "max_pinned_fraction",
-                            "pin_limit_exceeded")
+                                 f"max_pinned_fraction={self.fraction} of a worker's "
+                                 f"device and host pools ({self.max_pages} pages)",
+                            "max_pinned_fraction", "pin_limit_exceeded")
         limit = self._limit(tenant)
         if limit is None:
             return

@@ -2,8 +2,9 @@
 
 Device pages move to host (copied unless already there) or, when the host has no room,
 are dropped with their subtree; host pages are dropped. A dropped node gives back every
-slot it held, its recurrent state's included. Locked nodes are never touched, nor pinned
-ones until their pin lapses (``pd_cache.kv.pinning``).
+slot it held, its recurrent state's included. Locked nodes are never touched. A pinned page
+is held in one tier until its pin lapses (``pd_cache.kv.pinning``): its host copy, or, for
+the pages a pin holds on device, its device copy; its copy in the other tier goes as any.
 
 The candidates of each tier are kept as the tree changes (``pd_cache.kv.lru``), so an
 eviction costs what it evicts, not a walk of the tree. Whatever sets a slot of a node calls
@@ -42,9 +43,16 @@ class Evicting:
     pins: Pins[Node]
 
     def _init_candidates(self) -> None:
-        held = self.pins.held
-        self._on_device = Candidates("device_slot", self.device.capacity, held)
-        self._on_host = Candidates("host_slot", self.host.capacity, held)
+        self._device_pins: set[Node] = set()   # pinned pages held on device; others on host
+        self._on_device = Candidates("device_slot", self.device.capacity,
+                                     self._held_on_device)
+        self._on_host = Candidates("host_slot", self.host.capacity, self._held_on_host)
+
+    def _held_on_device(self, node: Node) -> bool:
+        return node in self._device_pins and self.pins.held(node)
+
+    def _held_on_host(self, node: Node) -> bool:
+        return node not in self._device_pins and self.pins.held(node)
 
     def evict(self, tier: Tier, num_pages: int) -> int:
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 0:
@@ -96,28 +104,36 @@ class Evicting:
     def _lapse(self) -> None:
         """Give the nodes whose pins lapsed back to eviction."""
         for node in self.pins.expired():
+            self._device_pins.discard(node)
             self._unpinned(node)
 
     def _device_evictable(self, node: Node) -> bool:
         return (node.device_slot is not None and node.lock_ref == 0
                 and all(c.device_slot is None for c in node.children.values())
-                and not self.pins.held(node))
+                and not self._held_on_device(node))
 
     def _host_evictable(self, node: Node) -> bool:
         return (node.host_slot is not None and node.lock_ref == 0
                 and (node.device_slot is not None or not node.children)
-                and not self.pins.held(node))
+                and not self._held_on_host(node))
+
+    def _copy_to_host(self, node: Node) -> bool:
+        """Give ``node`` (on device) a host copy unless it has one; whether it has one now
+        (``False``: the host has no room, even after evicting)."""
+        if node.host_slot is None:
+            slots = self._reserve(self.host, 1)
+            if not slots:
+                return False
+            self.device.copy_to(self.host, [node.device_slot], slots)
+            node.host_slot = slots[0]
+            self._log(STORED, Tier.HOST, [node])
+            self._on_host.push(node)
+            self.stats.count(Event.STORED, Tier.HOST.value)
+        return True
 
     def _demote(self, node: Node) -> None:
         """Device -> host: copy unless already there; drop the subtree if the host is full."""
-        if node.host_slot is None:
-            slots = self._reserve(self.host, 1)
-            if slots:
-                self.device.copy_to(self.host, [node.device_slot], slots)
-                node.host_slot = slots[0]
-                self._log(STORED, Tier.HOST, [node])
-                self._on_host.push(node)
-                self.stats.count(Event.STORED, Tier.HOST.value)
+        self._copy_to_host(node)
         self.device.free([node.device_slot], OWNER)
         node.device_slot = None
         self._log(REMOVED, Tier.DEVICE, [node])
@@ -152,6 +168,7 @@ class Evicting:
                 self.states.free([n.state_slot], OWNER)
             n.device_slot = n.host_slot = n.state_slot = None
             self.pins.drop(n)
+            self._device_pins.discard(n)
             n.children = {}
             n.attached = False
         for tier, nodes in on.items():

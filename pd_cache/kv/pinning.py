@@ -6,8 +6,18 @@ the root down, so a pinned prefix is always a usable one. The tree's ``Pins`` ho
 it back once its pin lapses. A hit (``match_prefix``, ``insert``) renews the pins of the
 path it touches.
 
-No more than ``max_pinned_fraction`` of either pool is pinned: a pin that would pass it
-pins the leading pages that fit, and the rest of its path stays an ordinary cached page.
+A pinned page is held in one tier of the worker, and no pool holds more than
+``max_pinned_fraction`` of its pages pinned, so a worker pins up to that fraction of its
+device and host pages together (``pinned_page_limit``)::
+
+    path      p0 p1 p2 | p3 p4 p5 p6      a pin of 7 pages, host room for 4
+    held on   device   | host            device: the leading 3 (their host copies may go)
+                                         host:   the rest (their device copies may go)
+
+A page held on host gets a host copy when it has none. The pages held on device are a
+prefix of the path (so device residency, prefix-closed, keeps nothing else there for them),
+and only as many as the host has no room for. A pin that would pass both bounds pins the
+leading pages that fit; the rest of its path stays an ordinary cached page.
 """
 
 from __future__ import annotations
@@ -15,6 +25,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from pd_cache.core.pins import pinned_page_limit
+from pd_cache.core.vocab import Tier
 from pd_cache.kv.evict import Evicting
 from pd_cache.kv.node import Node
 
@@ -34,7 +45,7 @@ class Pinning(Evicting):
 
     @property
     def max_pinned_pages(self) -> int:
-        """The most pages pinned at once: the fraction of the smaller (non-empty) pool."""
+        """The most pages pinned at once: the fraction of each pool, summed."""
         return pinned_page_limit(self.max_pinned_fraction, self.device.capacity,
                                  self.host.capacity)
 
@@ -44,16 +55,47 @@ class Pinning(Evicting):
         renewed by each hit, as many pages, from the first, as the fraction allows; how
         many of them are pinned now."""
         self._lapse()
-        room = self.max_pinned_pages - len(self.pins)
+        path = node.path()[:max_pages]
+        if not path:
+            return 0
+        room = self._pin_room()
+        lead = max(0, sum(1 for n in path if n not in self.pins) - room[Tier.HOST])
         done = 0
-        for n in node.path()[:max_pages]:
-            if n not in self.pins:
-                if room <= 0:
-                    break
-                room -= 1
-            self.pins.pin(n, ttl_s, owner)
-            done += 1
+        self.lock(node)   # NOTE: a host copy made below evicts nothing of this path
+        try:
+            for n in path:
+                if n not in self.pins:
+                    tier = self._place(n, room, want_device=lead > 0)
+                    if tier is None:
+                        break
+                    room[tier] -= 1
+                    lead -= 1
+                self.pins.pin(n, ttl_s, owner)
+                done += 1
+        finally:
+            self.unlock(node)
         return done
+
+    def _pin_room(self) -> dict[Tier, int]:
+        """How many more pages each pool may hold pinned."""
+        f, held_on_device = self.max_pinned_fraction, len(self._device_pins)
+        return {Tier.DEVICE: int(f * self.device.capacity) - held_on_device,
+                Tier.HOST: int(f * self.host.capacity) - (len(self.pins) - held_on_device)}
+
+    def _place(self, node: Node, room: dict[Tier, int], want_device: bool) -> Tier | None:
+        """The tier that holds ``node``'s new pin (``None``: neither may): the device for a
+        leading page the host has no room for, else the host (a host copy made if need be)."""
+        on_device = room[Tier.DEVICE] > 0 and node.device_slot is not None and (
+            node.parent is None or node.parent.is_root or node.parent in self._device_pins)
+        if want_device and on_device:
+            self._device_pins.add(node)
+            return Tier.DEVICE
+        if room[Tier.HOST] > 0 and self._copy_to_host(node):
+            return Tier.HOST
+        if on_device:
+            self._device_pins.add(node)
+            return Tier.DEVICE
+        return None
 
     def pinned(self, owner: str | None = None) -> list[PinnedPage]:
         """Every page pinned now (by ``owner``, when given)."""
@@ -67,6 +109,7 @@ class Pinning(Evicting):
         gone = [n for n, p in self.pins.items() if owner is None or p.owner == owner]
         for n in gone:
             self.pins.drop(n)
+            self._device_pins.discard(n)
             self._unpinned(n)
         return len(gone)
 

@@ -114,6 +114,12 @@ class Twins:
         for c in self.caches:
             c.check_invariants()
             assert len(c.pins) <= c.max_pinned_pages
+            f, held = c.max_pinned_fraction, [n for n, _ in c.pins.items()]
+            on_device = [n for n in held if n in c._device_pins]
+            assert len(on_device) <= int(f * c.device.capacity)
+            assert len(held) - len(on_device) <= int(f * c.host.capacity)
+            assert all(n.attached and (n.device_slot if n in on_device else n.host_slot)
+                       is not None for n in held)
         assert sorted(cache.pinned()) == sorted(oracle.pinned())
         # NOTE: stale entries are compacted away: the heaps stay bounded by the pools.
         assert len(cache._on_device) <= 2 * cache.device.capacity + 8

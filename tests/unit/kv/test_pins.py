@@ -1,5 +1,5 @@
 """Pins with a TTL on an injected clock: held until they lapse, renewed by each hit, bounded
-by the pool fraction; the tree's eviction passes over them in both tiers."""
+by each pool's fraction, a pinned page held in one tier (device or host) of the worker."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def put(c: RadixCache, first: int, pages: int = 2) -> CacheKey:
     return key
 
 
-def test_pinned_pages_stay_in_both_tiers_until_the_pin_lapses() -> None:
+def test_pinned_pages_stay_in_the_worker_until_the_pin_lapses() -> None:
     clock = Clock()
     c = cache(clock)
     pinned = put(c, 1)
@@ -56,7 +56,8 @@ def test_pinned_pages_stay_in_both_tiers_until_the_pin_lapses() -> None:
     for i in range(2, 12):               # a flood of unpinned prompts, both pools full
         put(c, i)
         c.evict(Tier.HOST, 4)
-    assert c.match_prefix(pinned).count(Tier.DEVICE) == 2
+        c.evict(Tier.DEVICE, 4)
+    assert c.match_prefix(pinned).count(Tier.HOST) == 2   # held on host, off the device
     assert {p.owner for p in c.pinned()} == {"acme"} and len(c.pinned("acme")) == 2
     clock.now += 29                      # the match above renewed the pin to 130
     put(c, 20)
@@ -71,9 +72,44 @@ def test_pinned_pages_stay_in_both_tiers_until_the_pin_lapses() -> None:
     assert c.device.used == c.host.used == 0
 
 
+def held_on(c: RadixCache) -> tuple[int, int]:
+    """Pinned pages held on device and on host: checked against each pool's fraction."""
+    on_device = len(c._device_pins)
+    assert all(n.device_slot is not None for n in c._device_pins)
+    on_host = [n for n, _ in c.pins.items() if n not in c._device_pins]
+    assert all(n.host_slot is not None for n in on_host)
+    f = c.max_pinned_fraction
+    assert on_device <= int(f * c.device.capacity) and len(on_host) <= int(f * c.host.capacity)
+    return on_device, len(on_host)
+
+
+def test_a_pin_longer_than_half_the_smaller_pool_fits_in_both_and_survives_a_flood() -> None:
+    clock = Clock()
+    c = cache(clock, device=8, host=8)   # half of each: 4 + 4 pinned pages at most
+    long = put(c, 1, pages=6)            # more than half of either pool alone
+    assert c.max_pinned_pages == 8
+    assert c.pin(c.match_prefix(long).node, 30.0, "a") == 6
+    assert held_on(c) == (2, 4)          # the leading 2 held on device, the rest on host
+    for i in range(2, 14):               # a flood that fills both pools, again and again
+        put(c, i, pages=3)
+        c.evict(Tier.HOST, 8)
+        c.evict(Tier.DEVICE, 8)
+    match = c.match_prefix(long)
+    assert (match.count(Tier.DEVICE), match.count(Tier.HOST)) == (2, 4)
+    c.load_back(match)                   # back on device for a request; held as before
+    assert held_on(c) == (2, 4)
+    other = put(c, 30, pages=4)          # only 2 more fit, both on device
+    assert c.pin(c.match_prefix(other).node, 30.0, "b") == 2
+    assert held_on(c) == (4, 4)
+    assert c.drop_pins("a") == 6 and held_on(c) == (2, 0)
+    c.clear()
+    c.check_invariants()
+    assert c.device.used == c.host.used == 0
+
+
 def test_no_pool_is_more_than_the_fraction_pinned_and_drop_pins_frees_them() -> None:
     clock = Clock()
-    c = cache(clock, device=4, host=8)   # half of the smaller pool: 2 pages
+    c = cache(clock, device=4, host=0)   # no host pool: half the device, 2 pages
     first, second = put(c, 1, pages=3), put(c, 2)
     assert c.pin(c.match_prefix(first).node, 30.0, "a") == 2
     assert c.pin(c.match_prefix(second).node, 30.0, "b") == 0
