@@ -4,6 +4,8 @@ One request::
 
     generate_async(req)   admit (ValueError for a bad request), name its prompt pages
                           (once: a retry is routed by the same names)
+      -> its turn         prefill_queue_depth calls per prefill worker out at once; the
+                          rest wait here, tenants in turn (turns.py)
       -> decode[d].reserve  with a decode cache: d = the worker holding the longest
                           prefix, k = its pages locked for the handoff (decode_route.py);
                           not awaited here: prefill takes k once it has computed
@@ -43,6 +45,7 @@ from pd_cache.cluster.health import Liveness, WorkerDied, ping_all, worker_died
 from pd_cache.cluster.index_route import IndexClient, IndexRouting
 from pd_cache.cluster.operations import ClusterOperations
 from pd_cache.cluster.router import PrefixRouter
+from pd_cache.cluster.turns import Turns
 from pd_cache.core.cluster_config import ClusterConfig
 from pd_cache.core.request import Req, compute_prefix_hash
 from pd_cache.core.wire import Completion, DecodeInfo, PageNames, PrefillInfo
@@ -65,6 +68,8 @@ class PDCluster(IndexRouting, DecodeRouting, ClusterOperations):
         self.decode_router = PrefixRouter(len(self.decode),
                                           capacity if self.pd.cache.decode_cache else 0,
                                           decode_balance(config))
+        # NOTE: requests beyond the workers' short queues wait here, tenants in turn.
+        self.turns = Turns(config.prefill_queue_depth * len(self.prefill))
         self.liveness = {"prefill": Liveness("prefill", self.prefill, self.prefill_router),
                          "decode": Liveness("decode", self.decode, self.decode_router)}
 
@@ -114,9 +119,10 @@ class PDCluster(IndexRouting, DecodeRouting, ClusterOperations):
         start, failed = time.perf_counter(), {"prefill": [], "decode": []}
         for attempt in (1, 2):
             try:
-                reserved = self._reserve(req, names, decode_worker, failed["decode"])
-                info, handoff = await self._prefill(req, names, prefill_worker,
-                                                    failed["prefill"], reserved)
+                async with self.turns.turn(req.tenant):
+                    reserved = self._reserve(req, names, decode_worker, failed["decode"])
+                    info, handoff = await self._prefill(req, names, prefill_worker,
+                                                        failed["prefill"], reserved)
                 reserved = self._settle(reserved, info, decode_worker)
                 ttft = time.perf_counter() - start
                 out = await self._decode(req, info, handoff, reserved.worker,
@@ -151,9 +157,10 @@ class PDCluster(IndexRouting, DecodeRouting, ClusterOperations):
         ttft, out = 0.0, None
         while True:
             try:
-                reserved = self._reserve(part, names, None, failed["decode"])
-                info, handoff = await self._prefill(part, names, None, failed["prefill"],
-                                                    reserved)
+                async with self.turns.turn(req.tenant):
+                    reserved = self._reserve(part, names, None, failed["decode"])
+                    info, handoff = await self._prefill(part, names, None, failed["prefill"],
+                                                        reserved)
                 reserved = self._settle(reserved, info, None)
                 if first is None:
                     first, ttft = info, time.perf_counter() - start

@@ -92,6 +92,9 @@ class ClusterConfig:
                                       "beyond this many requests of difference")
     threads: int = _knob(1, "torch threads per worker actor")
     decode_batch: int = _knob(8, "requests a decode worker steps together")
+    prefill_queue_depth: int = _knob(2, "prefill calls a router gives each prefill worker "
+                                        "at once; the rest wait, tenants in turn (0: no "
+                                        "bound)")
     decode_pack: bool = _knob(False, "fill the busiest decode batch with room first")
     decode_cache: bool = _knob(True, "decode workers keep a prefix cache: a conversation's "
                                      "next turn is handed only the pages decode lacks")
@@ -115,7 +118,8 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         for name in ("num_prefill", "num_decode", "threads", "decode_batch"):
             check_int_at_least(name, getattr(self, name), 1)
-        for name in ("num_storage", "balance_threshold", "storage_restarts", "index_shards"):
+        for name in ("num_storage", "balance_threshold", "storage_restarts", "index_shards",
+                     "prefill_queue_depth"):
             check_int_at_least(name, getattr(self, name), 0)
         check_int_at_least("worker_restarts", self.worker_restarts, -1)
         check_bool("cache", self.cache)

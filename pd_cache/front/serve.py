@@ -13,7 +13,9 @@
 With an API-key file (``api_keys_file``, ``PD_CACHE_API_KEYS_FILE``) every ``/v1`` route
 needs ``Authorization: Bearer <key>`` and the namespace is derived from the key's tenant
 (``pd_cache.front.tenants``); without one the server is open (loopback only). At most
-``max_pending`` requests are admitted at once; beyond that, 429 with ``Retry-After``. Each
+``max_pending`` requests are admitted at once; beyond that, 429 with ``Retry-After``, but
+for a tenant within its share (``front.flow``; its prefills wait their turn by tenant,
+``cluster.turns``). Each
 key's rate limits and each tenant's usage metrics: ``pd_cache.front.guard``.
 Errors are OpenAI's shape (``pd_cache.front.http``). Streams are Server-Sent Events,
 one chunk per token as decode draws it (``PDCluster.stream``). A client that goes away,
@@ -179,7 +181,7 @@ class PDCacheIngress:
             raise HTTPError(400, str(exc), "stop_token_ids", "invalid_value") from None
         req, rid = self._request(tenant, body.input_ids, body.max_new_tokens, sampling,
                                  body.cache_salt, body.extra_key, body.rid)
-        with self.admission.place():
+        with self.admission.place(tenant.name):
             out = await self._complete(req)
         self.guard.served(tenant, out)
         cached = dict(out.cached_tokens) if tenant.admin else \
@@ -207,7 +209,7 @@ class PDCacheIngress:
         rid = openai.request_id(chat)
         if body.stream:
             return self._sse(req, rid, chat, tenant, body.include_usage, received_ns)
-        with self.admission.place():
+        with self.admission.place(tenant.name):
             out = await self._complete(req)
         self.guard.served(tenant, out)
         text = self.tokenizer.decode(out.output_ids)
@@ -290,7 +292,7 @@ class PDCacheIngress:
              received_ns: int) -> Any:
         from starlette.responses import StreamingResponse
 
-        place = self.admission.place()   # 429 before the stream starts; held until it ends
+        place = self.admission.place(tenant.name)   # 429 before the stream; held to its end
         hops = {"received_ns": received_ns}
         # NOTE: the prefill starts now, while Serve sets the response up, not once it first
         # asks the body for a chunk (a body never read leaves it unanswered: no decode).

@@ -1,12 +1,17 @@
-"""Pinned prefixes over HTTP, with API keys: a pinned system prompt longer than half of
-either worker pool (held in the two together) outlives a flood that evicts an unpinned one
-from every tier, a pin over the tenant's ``max_pinned_bytes`` is
-refused before any work, and the admin routes list and drop a tenant's pins. Real HTTP on
-127.0.0.1, the real ``openai`` client, a small pool and L3 so that a few prompts flood them."""
+"""Tenant controls over HTTP, with API keys. Pinned prefixes: a pinned system prompt longer
+than half of either worker pool (held in the two together) outlives a flood that evicts an
+unpinned one from every tier, a pin over the tenant's ``max_pinned_bytes`` is
+refused before any work, and the admin routes list and drop a tenant's pins. A fair share:
+a quiet tenant is served in full while another floods the ingress past ``max_pending``.
+Real HTTP on 127.0.0.1, the real ``openai`` client, a small pool and L3 so that a few
+prompts flood them."""
 
 from __future__ import annotations
 
+import collections
 import json
+import random
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -33,13 +38,14 @@ PAGE_BYTES = PDCacheConfig(model=MODEL, cache=CacheConfig(page_size=PS)).layout.
 MAX_PINNED = 24 * PAGE_BYTES          # the tenant's limit: 24 pages
 # NOTE: "pinner"'s second key is an admin one: its answers show cached tokens by tier.
 KEYS = {"keys": {"sk-pins-0001": "pinner", "sk-pins-0002": {"tenant": "pinner", "admin": True},
-                 "sk-ops-00003": {"tenant": "ops", "admin": True}},
+                 "sk-ops-00003": {"tenant": "ops", "admin": True},
+                 "sk-noisy-0004": "noisy", "sk-quiet-0005": "quiet"},
         "tenants": {"pinner": {"max_pinned_bytes": MAX_PINNED}}}
 # NOTE: 32 pages per pool (at most 16 pinned in each, 32 in a worker), L3 of about 40 pages
 # (at most 20 pinned): ten prompts of 11 pages flood them all.
 ARGS = {"model": "tiny", "page_size": PS, "num_prefill": 1, "num_decode": 1, "num_storage": 1,
         "device_pages": 32, "host_pages": 32, "storage_capacity_bytes": 40 * PAGE_BYTES,
-        "cluster_name": NAME}
+        "cluster_name": NAME, "max_pending": 16}
 TOK = ByteTokenizer(MODEL.vocab_size)
 PIN = {"pd_cache": {"pin_ttl_s": 600}}
 
@@ -132,6 +138,56 @@ def test_a_pinned_system_prompt_outlives_a_flood_within_the_tenants_limit(
     assert admin(url, "/admin/tenants/pinner/pins")[1]["pages"] > 0   # was computed before
     assert admin(url, "/admin/tenants/pinner/pins/drop")[0] == 200
     assert_empty_after_drop(url)
+
+
+def test_a_quiet_tenant_is_served_in_full_while_another_floods(url: str) -> None:
+    """24 clients of "noisy" keep unique 900-token prompts coming, more than the replica's
+    16 places; "quiet" asks 8 questions meanwhile. The flood fills the places and is shed
+    (429) past them; quiet's share of the places (16 // 2) admits it, and its prefills wait
+    their turn beside noisy's queue, not behind it. Every answer is the no-cache model's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    model, stop = Model(MODEL), threading.Event()
+    noisy: collections.Counter[int] = collections.Counter()
+
+    def flood(seed: int) -> None:
+        rng = random.Random(seed)
+        while not stop.is_set():
+            ids = [rng.randrange(256) for _ in range(900)]
+            noisy[post(url, "sk-noisy-0004", {"model": "tiny", "prompt": ids,
+                                               "max_tokens": 1})] += 1
+
+    with ThreadPoolExecutor(24) as pool:
+        floods = [pool.submit(flood, i) for i in range(24)]
+        deadline = time.monotonic() + 60
+        while not noisy[429]:               # the replica is full: noisy is being shed
+            assert time.monotonic() < deadline and not any(f.done() for f in floods), noisy
+            time.sleep(0.05)
+        quiet = client(url, "sk-quiet-0005")
+        for i in range(8):                  # any 429 or 503 raises here
+            chat(quiet, "You are quiet's assistant. ", f"question {i}", model)
+        stop.set()
+        for f in floods:
+            f.result(timeout=120)
+    assert set(noisy) <= {200, 429, 503} and noisy[200] > 0, noisy   # shed, or queued
+    assert_empty_after_drop(url)
+
+
+def post(url: str, key: str, body: dict[str, Any]) -> int:
+    """A completion's HTTP status."""
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Authorization": f"Bearer {key}",
+                                              "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            resp.read()
+            return resp.status
+    except urllib.error.HTTPError as err:
+        err.read()
+        return err.code
 
 
 def pinned_gauge(port: int) -> float | None:
