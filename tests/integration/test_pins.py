@@ -161,14 +161,17 @@ def test_a_quiet_tenant_is_served_in_full_while_another_floods(url: str) -> None
 
     with ThreadPoolExecutor(24) as pool:
         floods = [pool.submit(flood, i) for i in range(24)]
-        deadline = time.monotonic() + 60
-        while not noisy[429]:               # the replica is full: noisy is being shed
-            assert time.monotonic() < deadline and not any(f.done() for f in floods), noisy
-            time.sleep(0.05)
-        quiet = client(url, "sk-quiet-0005")
-        for i in range(8):                  # any 429 or 503 raises here
-            chat(quiet, "You are quiet's assistant. ", f"question {i}", model)
-        stop.set()
+        try:
+            deadline = time.monotonic() + 60
+            while not noisy[429]:           # the replica is full: noisy is being shed
+                assert time.monotonic() < deadline and not any(f.done() for f in floods), \
+                    noisy
+                time.sleep(0.05)
+            quiet = client(url, "sk-quiet-0005")
+            for i in range(8):              # any 429 or 503 raises here
+                chat(quiet, "You are quiet's assistant. ", f"question {i}", model)
+        finally:
+            stop.set()                      # the flood ends, whatever failed
         for f in floods:
             f.result(timeout=120)
     assert set(noisy) <= {200, 429, 503} and noisy[200] > 0, noisy   # shed, or queued
