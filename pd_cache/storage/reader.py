@@ -7,7 +7,8 @@ on one node), then verifies each record it asked for: the cheap header checks on
 then every checksum in one :class:`Checksummer` call, which splits a large batch over a
 few threads (``pd_cache.storage.spread``). A record that fails is a miss the tier is told
 to discard; a block that cannot be fetched (the tier died with its objects, or the
-deadline passed) makes its keys misses.
+deadline passed) makes its keys misses. An arena record (``storage.arena``) comes as a
+record already (a view of its slot, or its bytes), or as ``Lost``: a miss.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 from pd_cache.core.config import KVLayout
 from pd_cache.core.vocab import MissReason
+from pd_cache.storage.arena_record import Lost
 from pd_cache.storage.record import PageRecord, checksums, verify_all
 from pd_cache.storage.shared import SharedPages
 from pd_cache.storage.spread import Spread
@@ -63,8 +65,16 @@ def receive(shared: SharedPages, keys: Sequence[bytes], priors: Sequence[bytes |
     else:
         blocks, reason, detail = _fetch(shared.blocks, deadline)
     for k, at in enumerate(shared.pages if shared.lent else ()):
-        block = None if at is None else blocks[at[0]]
-        lost += at is not None and block is None
+        if isinstance(at, Lost):   # an arena record gone since it was lent
+            lost += 1
+            reason, detail = reason or MissReason.STORAGE_ERROR, detail or at.detail
+            pages.append(None)
+            continue
+        if at is None or isinstance(at, PageRecord):   # absent, or an arena record
+            pages.append(at)
+            continue
+        block = blocks[at[0]]
+        lost += block is None
         pages.append(None if block is None else _pick(block, at[1]))
         if block is not None and pages[k] is None:
             problems[k] = "not a record"

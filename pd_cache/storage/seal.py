@@ -36,6 +36,7 @@ from cryptography.exceptions import InvalidTag
 from pd_cache.core.sealing import KeyId, Keyring
 from pd_cache.core.stats import Stats
 from pd_cache.core.vocab import Event, MissReason
+from pd_cache.storage.arena_writer import ArenaWriter, Slotted, committed_all
 from pd_cache.storage.base import (
     ExtraInfo,
     Pending,
@@ -201,8 +202,9 @@ class SealedStorage(SubmittedBackend):
     checksums_in_reader = True   # the tags were checked here, on the bytes returned
 
     def __init__(self, inner: StorageBackend, sealer: Sealer, metrics: Any = None, *,
-                 scratch_bytes: int = 0, threads: int | None = None) -> None:
-        self.inner, self.sealer, self.metrics = inner, sealer, metrics
+                 scratch_bytes: int = 0, threads: int | None = None,
+                 arena: ArenaWriter | None = None) -> None:
+        self.inner, self.sealer, self.metrics, self.arena = inner, sealer, metrics, arena
         self.algo, self.seals = inner.algo, sealer.enabled
         self.scratch_bytes = scratch_bytes
         self._stats = Stats()
@@ -240,22 +242,31 @@ class SealedStorage(SubmittedBackend):
         if not self.sealer.enabled or not pages:
             return self.inner.submit_set_v2(transfers, _stripped(extra_info))
         with self._set_lock:
-            sealed = iter(self._seal_all(pages, _tenant(extra_info)))
+            slots = [None] * len(pages) if self.arena is None else self.arena.grant(
+                transfers, extra_info, [sealed_nbytes(p) for p in pages])
+            sealed = iter(committed_all(self._seal_all(pages, _tenant(extra_info), slots),
+                                        slots))
             return self.inner.submit_set_v2([t if t.pages is None else msgspec.structs.replace(
                 t, pages=[next(sealed) if isinstance(p, PageRecord) else p for p in t.pages])
                 for t in transfers], _stripped(extra_info))
 
-    def _seal_all(self, pages: list[PageRecord], tenant: str) -> list[PageRecord]:
-        """``pages`` sealed, into the scratch buffer when it may hold them, on the spread's
-        threads when they are many bytes."""
+    def _seal_all(self, pages: list[PageRecord], tenant: str,
+                  slots: Sequence[Slotted | None] = ()) -> list[PageRecord]:
+        """``pages`` sealed, each into its arena slot if it has one (``slots``), the rest
+        into the scratch buffer when it may hold them; on the spread's threads when they
+        are many bytes."""
         sizes = [sealed_nbytes(p) for p in pages]
+        slots = list(slots) or [None] * len(pages)
+        rest = [n for n, slot in zip(sizes, slots) if slot is None]
         total = sum(sizes)
-        if total > self.scratch_bytes:
-            outs: list[torch.Tensor | None] = [None] * len(pages)
+        if sum(rest) > self.scratch_bytes:
+            parts: list[torch.Tensor | None] = [None] * len(rest)
         else:
-            if self._scratch.numel() < total:
-                self._scratch = torch.empty(total, dtype=torch.uint8)
-            outs = _split(self._scratch, sizes)
+            if self._scratch.numel() < sum(rest):
+                self._scratch = torch.empty(sum(rest), dtype=torch.uint8)
+            parts = _split(self._scratch, rest)
+        free = iter(parts)
+        outs = [next(free) if slot is None else slot.view(n) for n, slot in zip(sizes, slots)]
         return self._spread.map(lambda run: [self.sealer.seal(p, tenant, o) for p, o in run],
                                 list(zip(pages, outs)), total)
 
