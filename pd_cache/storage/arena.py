@@ -201,10 +201,11 @@ def _remember(arena: Arena) -> Arena:
 
 def attached(info: ArenaInfo) -> Arena | None:
     """This process's mapping of ``info``'s arena, made now if need be (and mappings of
-    arenas whose shard died dropped); ``None`` if it cannot be mapped from here."""
+    arenas whose shard died dropped); ``None`` if it cannot be mapped from here, or its
+    shard is dead (its records are no longer the store's: never served)."""
     with _LOCK:
         arena = _OPEN.get(info.id)
-    if arena is not None:
+    if arena is not None and (arena._fd is not None or _alive(info.pid)):
         return arena
     for stale in [a for a in list(_OPEN.values()) if a._fd is None and not _alive(a.info.pid)]:
         stale.close()

@@ -40,7 +40,7 @@ from pd_cache.storage.base import (
 )
 from pd_cache.storage.batch import Batch, check_batch, normalize_keys, usable_hits
 from pd_cache.storage.placement import chain_shards, rendezvous
-from pd_cache.storage.reader import Checksummer, Received, receive, remaining
+from pd_cache.storage.reader import Checksummer, Received, count_read, receive, remaining
 from pd_cache.storage.record import CHECKPOINT_POOLS
 
 if TYPE_CHECKING:
@@ -226,9 +226,7 @@ class StorageClient(SubmittedBackend):
         return fault
 
     def _count(self, event: Event, reason: MissReason, n: int) -> None:
-        self._stats.count(event, reason, n)
-        if event is Event.MISS and self.metrics is not None:
-            self.metrics.count_miss(reason, n)
+        count_read(self._stats, self.metrics, event, reason, n)
 
     def _log_fault(self, fault: ShardFault) -> None:
         # NOTE: a dead shard fails every call; say so once per shard and reason.

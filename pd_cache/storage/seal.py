@@ -42,11 +42,13 @@ from pd_cache.storage.base import (
     Pending,
     PoolHits,
     PoolTransfer,
+    ShardFault,
     StorageBackend,
     SubmittedBackend,
     Usage,
 )
 from pd_cache.storage.cipher import AEAD, AEADS, open_into, seal_into
+from pd_cache.storage.reader import OPENER, Opening, count_read
 from pd_cache.storage.record import (
     DTYPES,
     KV_POOL,
@@ -219,8 +221,9 @@ class SealedStorage(SubmittedBackend):
     def submit_get_v2(self, transfers: Sequence[PoolTransfer],
                       extra_info: ExtraInfo | None = None) -> Pending[list[PoolTransfer]]:
         tenant = _tenant(extra_info)
-        return self.inner.submit_get_v2(transfers, _stripped(extra_info)).then(
-            lambda got: [self._open_all(t, tenant) for t in got])
+        return Opening(self.inner.submit_get_v2(transfers, _stripped(extra_info)),
+                        lambda got, faults: [self._open_all(t, tenant, (), faults)
+                                             for t in got])
 
     def submit_get_into(self, keys: Sequence[bytes], into: Sequence[torch.Tensor],
                         extra_info: ExtraInfo | None = None
@@ -233,8 +236,9 @@ class SealedStorage(SubmittedBackend):
         if len(into) != len(keys):
             raise ValueError(f"into: {len(into)} tensors for {len(keys)} keys")
         tenant, transfer = _tenant(extra_info), PoolTransfer(KV_POOL, list(keys))
-        return self.inner.submit_get_v2([transfer], _stripped(extra_info)).then(
-            lambda got: list(self._open_all(got[0], tenant, into).pages or []))
+        return Opening(self.inner.submit_get_v2([transfer], _stripped(extra_info)),
+                        lambda got, faults: list(self._open_all(got[0], tenant, into,
+                                                                faults).pages or []))
 
     def submit_set_v2(self, transfers: Sequence[PoolTransfer],
                       extra_info: ExtraInfo | None = None) -> Pending[list[list[bool]]]:
@@ -270,19 +274,24 @@ class SealedStorage(SubmittedBackend):
         return self._spread.map(lambda run: [self.sealer.seal(p, tenant, o) for p, o in run],
                                 list(zip(pages, outs)), total)
 
-    def _open_all(self, transfer: PoolTransfer, tenant: str, into: Into = ()) -> PoolTransfer:
+    def _open_all(self, transfer: PoolTransfer, tenant: str, into: Into = (),
+                  faults: list[ShardFault] | None = None) -> PoolTransfer:
         """Every page of ``transfer`` opened (into ``into``'s tensors, one per key, when
-        given) on the spread's threads; one that does not is counted, and discarded if it
-        is this tenant's."""
+        given) on the spread's threads; one that does not is counted (and listed in
+        ``faults``, once per transfer), and discarded if it is this tenant's."""
         pages = list(transfer.pages or [])
         outs = _padded(into, len(pages))
         nbytes = sum(p.nbytes for p in pages if p is not None)
         opened = self._spread.map(
             lambda run: [None if p is None else self.sealer.open(p, tenant, (o,))
                          for p, o in run], list(zip(pages, outs)), nbytes)
-        bad = [key for key, page, got in zip(transfer.keys, pages, opened)
-               if got is not None and got.reason is not None
-               and self._refused(page, got, transfer.pool, tenant)]
+        refused = [(key, page, got) for key, page, got in zip(transfer.keys, pages, opened)
+                   if got is not None and got.reason is not None]
+        if refused and faults is not None:   # NOTE: the caller's miss is this, not "absent"
+            faults.append(ShardFault(OPENER, refused[0][2].reason
+                                     or MissReason.VERIFICATION_FAILED, refused[0][2].detail))
+        bad = [key for key, page, got in refused
+               if self._refused(page, got, transfer.pool, tenant)]
         if bad:   # NOTE: the store deletes them, so the page can be stored again
             self.inner.discard_v2(transfer.pool, bad)
         return msgspec.structs.replace(transfer, pages=[None if got is None else got.record
@@ -291,16 +300,13 @@ class SealedStorage(SubmittedBackend):
     def _refused(self, page: PageRecord, got: Opened, pool: str, tenant: str) -> bool:
         """Count a record that did not open; whether its store should discard it."""
         log.warning("L3 record %s/%s does not open: %s", pool, page.name.hex(), got.detail)
-        self._miss(got.reason or MissReason.VERIFICATION_FAILED)
+        # NOTE: the store counts the discard; the miss is this reader's
+        count_read(self._stats, self.metrics, Event.MISS,
+                   got.reason or MissReason.VERIFICATION_FAILED)
         seal = page.header.seal
         # NOTE: another owner's record is left alone (this reader cannot tell it is bad);
         # a set under this owner's key replaces it.
         return seal is None or seal.owner == self.sealer.keyring.owner(tenant)
-
-    def _miss(self, reason: MissReason) -> None:
-        self._stats.count(Event.MISS, reason)   # the store counts the discard
-        if self.metrics is not None:
-            self.metrics.count_miss(reason, 1)
 
     def stats(self) -> dict[str, int]:
         total = Stats()
