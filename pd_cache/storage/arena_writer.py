@@ -33,6 +33,7 @@ class Slotted(NamedTuple):
     gen: int
 
     def view(self, nbytes: int) -> torch.Tensor:
+        self.arena.prepare(self.slot)
         return self.arena.view(self.slot, nbytes)
 
 
