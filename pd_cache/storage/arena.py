@@ -21,14 +21,16 @@ The memfd (nothing on any filesystem; it dies with the shard and the last mappin
 
 A shard killed and restarted makes a new arena with a new id: a worker never maps an old
 arena again (the shard names only its current one), and drops mappings of dead shards
-when it maps a new one. The arena's slots must live on the writer's machine: ``node``
-is the kernel's boot id, and a mapping whose magic and id are not the arena's is refused.
+when it maps a new one. The arena's slots must live on the writer's machine and Ray node
+(``node``: the kernel's boot id and the Ray node's id), and a mapping whose magic and id are
+not the arena's is refused.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import sys
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -48,12 +50,18 @@ _BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
 
 def this_node() -> str:
-    """This machine's boot id (``""`` if unknown: then no arena is shared)."""
+    """This machine's boot id, and in a Ray process its Ray node's id (``""`` if the boot
+    id is unknown: then no arena is shared). Two Ray nodes on one machine share none: each
+    keeps to its own, as on two machines."""
     try:
         with open(_BOOT_ID) as f:
-            return f.read().strip()
+            boot = f.read().strip()
     except OSError:
         return ""
+    ray = sys.modules.get("ray")
+    if boot and ray is not None and ray.is_initialized():
+        return f"{boot}/{ray.get_runtime_context().get_node_id()}"
+    return boot
 
 
 class ArenaInfo(msgspec.Struct, frozen=True, gc=False):
@@ -103,7 +111,7 @@ class Arena:
     def attach(cls, info: ArenaInfo) -> Arena:
         """Map another process's arena (``OSError`` if it cannot be, or is not ``info``'s)."""
         if not info.node or info.node != this_node():
-            raise OSError(f"arena {info.id.hex()} is on another machine")
+            raise OSError(f"arena {info.id.hex()} is on another machine or Ray node")
         fd = os.open(f"/proc/{info.pid}/fd/{info.fd}", os.O_RDWR)
         try:
             mm = mmap.mmap(fd, info.size)

@@ -1,11 +1,11 @@
 """The ``memory`` backend of a tier actor with an arena (``pd_cache.storage.arena``).
 
-A worker on the shard's machine asks for slots (:meth:`ArenaBackend.arena_grant`), seals
+A worker on the shard's Ray node asks for slots (:meth:`ArenaBackend.arena_grant`), seals
 its records into them and sets :class:`~pd_cache.storage.arena_record.ArenaRecord`\\ s: the
 shard checks each as it checks any record and adopts its slot (no copy). Anything else
-(records set by value: another machine's workers, a record too big for a slot, no free
+(records set by value: another Ray node's workers, a record too big for a slot, no free
 slot) is kept as before, in object-store blocks (``storage.shared``). A get lends an
-arena record to a reader on the same machine as a reference to its slot, and sends it by
+arena record to a reader on the same node as a reference to its slot, and sends it by
 value to any other.
 """
 
@@ -51,7 +51,7 @@ class ArenaBackend(SharedMemoryBackend):
     def arena_grant(self, sizes: Sequence[int], node: str) -> Grant:
         """A slot for each record of ``sizes`` bytes that fits one, while there are free
         ones (evicting arena records, tails first, to make room). No arena for a caller
-        on another machine (``node``: its boot id)."""
+        on another Ray node (``node``: its ``arena.this_node()``)."""
         if self.arena is None or node != self.arena.info.node:
             return Grant(None, [None] * len(sizes))
         fits = [i for i, n in enumerate(sizes) if 0 < n <= self.arena.info.slot_bytes]
@@ -141,7 +141,7 @@ class ArenaBackend(SharedMemoryBackend):
                       extra_info: ExtraInfo | None = None,
                       node: str | None = None) -> list[SharedPages]:
         """``SharedMemoryBackend.batch_lend_v2``; an arena record is lent by reference to
-        a reader on this machine (``node``: its boot id), else sent by value."""
+        a reader on this node (``node``: its ``arena.this_node()``), else sent by value."""
         batches = check_batch(transfers, extra_info, self.algo, with_pages=False)
         near = self.arena is not None and node == self.arena.info.node
         with self._lock:

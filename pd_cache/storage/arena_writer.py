@@ -1,7 +1,7 @@
 """The writer's side of the arenas: slots to seal records into, from a client's shards.
 
 Before a set, :meth:`ArenaWriter.grant` asks each shard its pages go to (one call per
-shard, side by side) for a slot per record; a shard on another machine, a ``disk`` shard or
+shard, side by side) for a slot per record; a shard on another Ray node, a ``disk`` shard or
 one without free slots grants none, and those records take the usual path (sealed into
 the writer's buffer, copied into the object store by the set). A sealed record is
 :func:`committed` to its slot (its commit word written) before the set is sent.
@@ -38,7 +38,7 @@ class Slotted(NamedTuple):
 
 
 class ArenaWriter:
-    """Grants from the arenas of ``client``'s shards on this machine, mapped once each."""
+    """Grants from the arenas of ``client``'s shards on this Ray node, mapped once each."""
 
     def __init__(self, client: StorageClient) -> None:
         self.client, self.node = client, this_node()
