@@ -11,6 +11,7 @@ value to any other.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Sequence
@@ -28,6 +29,8 @@ from pd_cache.storage.local import Refusal, Slot
 from pd_cache.storage.record import TAG_BYTES, PageRecord
 from pd_cache.storage.shared import SharedMemoryBackend, SharedPages
 
+log = logging.getLogger(__name__)
+
 
 def slot_bytes(layout: KVLayout) -> int:
     """The largest one-pool sealed record of ``layout``: a KV page, or a hybrid's state."""
@@ -43,7 +46,11 @@ class ArenaBackend(SharedMemoryBackend):
         super().__init__(layout, capacity_bytes, algo=algo)
         size = slot_bytes(layout)
         slots = capacity_bytes // size
-        self.arena = Arena.create(size, slots) if slots else None
+        self.arena: Arena | None = None
+        try:
+            self.arena = Arena.create(size, slots) if slots else None
+        except OSError as e:   # NOTE: no memfd here: every record takes the object store
+            log.warning("L3 shard without an arena: %s", e)
         self.table = SlotTable(slots)
         self._held: dict[Slot, Where] = {}
 
@@ -76,7 +83,7 @@ class ArenaBackend(SharedMemoryBackend):
         acks = super().batch_set_v2(clean, extra_info)
         with self._lock:   # NOTE: a grant a page did not take (refused, already stored)
             for where in self._mine(clean):
-                if where.slot in self.table.granted:
+                if self.table.granted.get(where.slot, (0,))[0] == where.gen:
                     self._free(where.slot)
         return [_restored(t, a) for t, a in zip(transfers, acks)]
 
