@@ -163,21 +163,28 @@ class Arena:
 class SlotTable:
     """Which slots are free, granted (until a lease runs out) or live; pure bookkeeping.
 
-    Free slots are handed out oldest-freed first. Generations only grow: a slot's word
-    names one grant, never an earlier one of the same slot.
+    Slots used before are handed out first, oldest-freed first (their memory is faulted
+    in, and a reader still holding a reference to one has the longest time to finish),
+    then slots never used (memory the arena commits only then). Generations only grow: a
+    slot's word names one grant, never an earlier one of the same slot.
     """
 
     def __init__(self, slots: int, lease_s: float = LEASE_S) -> None:
-        self.free: deque[int] = deque(range(slots))
+        self.freed: deque[int] = deque()
+        self.fresh: deque[int] = deque(range(slots))
         self.granted: dict[int, tuple[int, float]] = {}   # slot -> (generation, deadline)
         self.live: dict[int, int] = {}                     # slot -> generation
         self.lease_s, self._gen = lease_s, 0
+
+    @property
+    def free(self) -> int:
+        return len(self.freed) + len(self.fresh)
 
     def grant(self, n: int, now: float) -> list[tuple[int, int]]:
         """Up to ``n`` free slots, each with a new generation."""
         out = []
         while self.free and len(out) < n:
-            slot = self.free.popleft()
+            slot = (self.freed or self.fresh).popleft()
             self._gen += 1
             self.granted[slot] = (self._gen, now + self.lease_s)
             out.append((slot, self._gen))
@@ -194,7 +201,7 @@ class SlotTable:
     def release(self, slot: int) -> None:
         """A granted or live slot is free again (no-op if it is neither)."""
         if self.granted.pop(slot, None) is not None or self.live.pop(slot, None) is not None:
-            self.free.append(slot)
+            self.freed.append(slot)
 
     def expired(self, now: float) -> list[int]:
         """Granted slots whose lease ran out (not yet released)."""

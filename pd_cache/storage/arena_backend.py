@@ -64,7 +64,7 @@ class ArenaBackend(SharedMemoryBackend):
         fits = [i for i, n in enumerate(sizes) if 0 < n <= self.arena.info.slot_bytes]
         with self._lock:
             self._expire()
-            while len(self.table.free) < len(fits) and \
+            while self.table.free < len(fits) and \
                     (victim := self._policy.victim()) is not None and victim in self._held:
                 self._evict(victim)
             granted = self.table.grant(len(fits), time.monotonic())
@@ -180,7 +180,7 @@ class ArenaBackend(SharedMemoryBackend):
         with self._lock:
             t = self.table
             return {"id": None if self.arena is None else self.arena.info.id,
-                    "free": len(t.free), "granted": len(t.granted), "live": len(t.live)}
+                    "free": t.free, "granted": len(t.granted), "live": len(t.live)}
 
 
 def _without_lost(transfers: Sequence[PoolTransfer]) -> tuple[list[PoolTransfer], int]:

@@ -25,17 +25,19 @@ from tests.unit.storage.records import Chain, bits, layout_for
 TENANT = "acme"
 
 
-def test_slot_table_grants_oldest_freed_first_and_expires_leases() -> None:
-    table = SlotTable(3, lease_s=10)
+def test_slot_table_reuses_freed_slots_oldest_first_and_expires_leases() -> None:
+    table = SlotTable(4, lease_s=10)
     first = table.grant(2, now=0)
     assert [s for s, _ in first] == [0, 1] and first[0][1] < first[1][1]
-    assert table.grant(5, now=0) == [(2, 3)]              # only what is free
+    assert table.grant(5, now=0) == [(2, 3), (3, 4)]      # only what is free
     assert table.adopt(0, first[0][1]) and not table.adopt(1, 99)
-    assert table.expired(now=9) == [] and table.expired(now=10) == [1, 2]
+    assert table.expired(now=9) == [] and table.expired(now=10) == [1, 2, 3]
+    table.release(2)
     table.release(0)
     table.release(0)                                       # twice: no double free
-    assert list(table.free) == [0]
-    assert table.grant(1, now=11) == [(0, 4)]              # a new generation for the slot
+    assert list(table.freed) == [2, 0] and table.free == 2
+    assert table.grant(1, now=11) == [(2, 5)]              # oldest freed, a new generation
+    assert table.grant(2, now=11) == [(0, 6)]              # expired is not free till released
 
 
 def test_another_process_maps_the_arena_and_writes_a_slot() -> None:
