@@ -36,15 +36,19 @@ beside it, in the same run and on the same stored pages, the KV-only read (v1 ba
 the small-batch size, as the transport check).
 
 Sealed rows (1 tier actor, ``storage.batch_pages`` calls): the worker's view of L3
-(``storage.seal.SealedStorage``) three ways over one client, side by side in each
-repetition: unsealed (``storage.seal: false``), sealed with AES-256-GCM, sealed with
-ChaCha20-Poly1305, each as a worker builds it (a set seals into one kept buffer; the
-client puts each shard's records once). ``set`` builds, seals and stores the records;
+(``storage.seal.SealedStorage``) four ways over one client, side by side in each
+repetition: unsealed (``storage.seal: false``), sealed with AES-256-GCM as a worker does
+it (``sealed``: sealed straight into slots of the shard's arena, which adopts them:
+``storage.arena``), the same through the object store (``sealed_objstore``: sealed into
+one kept buffer, the client puts each shard's records once and the shard puts them into a
+block of its own; the path before the arena, and a shard on another machine's), and
+sealed with ChaCha20-Poly1305 (object store). ``set`` builds, seals and stores the records;
 ``get`` is the worker's read path: each page lands in its pool slot, opened there (sealed)
 or verified and copied there (unsealed), on both cores; ``get_fresh`` is a ``batch_get``
 with no destination (unsealed: views of the object store, nothing written; sealed: opened
 into new memory). Keys
-``sealed_get_vs_memcpy``, ``sealed_get_vs_unsealed``, ``sealed_set_vs_memcpy``;
+``sealed_get_vs_memcpy``, ``sealed_get_vs_unsealed``, ``sealed_set_vs_memcpy`` (the arena),
+``sealed_objstore_set_vs_memcpy``;
 ``--sealed-only`` runs just these rows (``results/storage_sealed.json``).
 
 Capacity pressure (in-process memory backend, no Ray): 32 prompts of 8-16 pages that
@@ -85,10 +89,12 @@ from pd_cache.core.hashing import namespace_seed, page_hashes
 from pd_cache.core.sealing import Keyring
 from pd_cache.kv.state import checkpoints
 from pd_cache.storage import STATE_POOL, ExtraInfo, PageRecord, PoolTransfer, make_record
+from pd_cache.storage.arena import forget, mapped
+from pd_cache.storage.arena_writer import ArenaWriter, committed_all
 from pd_cache.storage.client import StorageClient
 from pd_cache.storage.eviction import EvictionPolicy, Slot
 from pd_cache.storage.memory import MemoryBackend
-from pd_cache.storage.seal import AEAD, SCRATCH_BYTES, SealedStorage, Sealer
+from pd_cache.storage.seal import AEAD, SCRATCH_BYTES, SealedStorage, Sealer, sealed_nbytes
 from pd_cache.storage.tier import ACTOR_ENV, storage_actors
 from pd_cache.tiering.chain import runs
 
@@ -531,16 +537,22 @@ def print_pressure(r: dict[str, Any]) -> None:
         print(line)
 
 
-SEALED_STORES = ("unsealed", "sealed", "sealed_chacha")
+SEALED_STORES = ("unsealed", "sealed", "sealed_objstore", "sealed_chacha")
+SEALED_CAPACITY = 3
 
 
 def sealed_stores(client: StorageClient) -> dict[str, SealedStorage]:
-    """The worker's view of L3 three ways, over one client: unsealed (``seal: false``),
-    sealed with AES-256-GCM, sealed with ChaCha20-Poly1305; one cluster keyring."""
+    """The worker's view of L3 four ways, over one client: unsealed (``seal: false``),
+    sealed with AES-256-GCM through the shard's arena (the worker's path), the same
+    through the object store (the path before the arena, and a cross-machine shard's),
+    sealed with ChaCha20-Poly1305 (object store); one cluster keyring."""
     keys = Keyring.random()
-    return {label: SealedStorage(client, sealer, scratch_bytes=SCRATCH_BYTES)
+    arena = ArenaWriter(client)
+    return {label: SealedStorage(client, sealer, scratch_bytes=SCRATCH_BYTES,
+                                 arena=arena if label == "sealed" else None)
             for label, sealer in (("unsealed", Sealer(keys, enabled=False)),
                                   ("sealed", Sealer(keys, aead="aes-256-gcm")),
+                                  ("sealed_objstore", Sealer(keys, aead="aes-256-gcm")),
                                   ("sealed_chacha", Sealer(keys, aead="chacha20-poly1305")))}
 
 
@@ -576,23 +588,28 @@ def read_into(store: SealedStorage, names: list[list[bytes]], pool: torch.Tensor
 def set_breakdown(store: SealedStorage, layout: KVLayout, payloads: list[torch.Tensor],
                   batch_pages: int, repeats: int) -> dict[str, float]:
     """Where a sealed set's time goes, medians over ``repeats`` fresh chains (seconds):
-    ``seal`` (into the kept buffer, both cores), ``submit`` (the client serializes the
-    records into Ray's object store: the argument copy), ``store`` (the shard maps them,
-    verifies and puts them into a block of its own, the second copy, then acks)."""
-    parts: dict[str, list[float]] = {"seal": [], "submit": [], "store": []}
+    ``grant`` (arena slots from the shard: one call; 0 without an arena), ``seal`` (into
+    the slots, else the kept buffer; both cores), ``submit`` (the client serializes the
+    records: headers and slots, else the bytes into Ray's object store), ``store`` (the
+    shard checks them and adopts the slots, else maps the bytes and puts them into a block
+    of its own, a second copy; then acks)."""
+    parts: dict[str, list[float]] = {"grant": [], "seal": [], "submit": [], "store": []}
     for rep in range(repeats):
         took = dict.fromkeys(parts, 0.0)
         for b in in_batches(chain_records(layout, payloads, f"split-{rep}", sums=False),
                             batch_pages):
             t0 = time.perf_counter()
-            sealed = store._seal_all(b, "bench")
+            transfers = [PoolTransfer("kv", [r.name for r in b], b)]
+            slots = [None] * len(b) if store.arena is None else store.arena.grant(
+                transfers, None, [sealed_nbytes(r) for r in b])
             t1 = time.perf_counter()
-            pending = store.inner.submit_set([r.name for r in sealed], sealed)
+            sealed = committed_all(store._seal_all(b, "bench", slots), slots)
             t2 = time.perf_counter()
+            pending = store.inner.submit_set([r.name for r in sealed], sealed)
+            t3 = time.perf_counter()
             assert all(pending.result())
-            took["seal"] += t1 - t0
-            took["submit"] += t2 - t1
-            took["store"] += time.perf_counter() - t2
+            for k, t in zip(parts, (t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)):
+                took[k] += t
         for k, t in took.items():
             parts[k].append(t)
     return {k: statistics.median(v) for k, v in parts.items()}
@@ -601,14 +618,20 @@ def set_breakdown(store: SealedStorage, layout: KVLayout, payloads: list[torch.T
 def bench_sealed(payloads: list[torch.Tensor], pool: torch.Tensor, repeats: int,
                  batch_pages: int) -> dict[str, Any]:
     """Sealed against unsealed L3, set and get+copy through one tier actor, side by side
-    in each repetition (orders rotated), against the fastest copy of the same run."""
-    cfg = config(BIG_MODEL, 1)
+    in each repetition (orders rotated), against the fastest copy of the same run. The
+    shard holds ``SEALED_CAPACITY`` sets' worth: it is full after the warm-up repetition,
+    and its memory (arena slots, object-store blocks) is reused, as in a serving L3."""
+    import ray
+
+    cfg = dataclasses.replace(config(BIG_MODEL, 1), storage=StorageConfig(
+        capacity_bytes=SEALED_CAPACITY * TOTAL_BYTES, num_shards=1))
     handles = storage_actors(cfg)
     stores = sealed_stores(StorageClient(handles, timeout_s=120))
     times: dict[str, list[float]] = {}
     try:
         for rep in range(repeats + 1):
-            order = SEALED_STORES[rep % 3:] + SEALED_STORES[:rep % 3]
+            turn = rep % len(SEALED_STORES)
+            order = SEALED_STORES[turn:] + SEALED_STORES[:turn]
             run = {}
             for label in order:
                 start = time.perf_counter()
@@ -623,21 +646,26 @@ def bench_sealed(payloads: list[torch.Tensor], pool: torch.Tensor, repeats: int,
             for k, t in run.items():
                 if rep:
                     times.setdefault(k, []).append(t)
-        split = set_breakdown(stores["sealed"], cfg.layout, payloads, batch_pages, repeats)
+        arena = ray.get(handles[0].arena_usage.remote())
+        split = {label: set_breakdown(stores[label], cfg.layout, payloads, batch_pages,
+                                      repeats) for label in ("sealed", "sealed_objstore")}
     finally:
         kill_all(handles)
+        forget([info.id for info in mapped()])   # the killed shard's arena goes now
     med = {k: statistics.median(v) for k, v in times.items()}
     memcpy = min(med[k] for k in COPIES)
     out: dict[str, Any] = {f"{k}_gbps": TOTAL_BYTES / t / GB for k, t in med.items()}
     for label in SEALED_STORES:
         for op in ("get", "get_fresh", "set"):
             out[f"{label}_{op}_vs_memcpy"] = memcpy / med[f"{label}_{op}"]
-    for label in ("sealed", "sealed_chacha"):
+    for label in SEALED_STORES[1:]:
         for op in ("get", "get_fresh", "set"):
             out[f"{label}_{op}_vs_unsealed"] = med[f"unsealed_{op}"] / med[f"{label}_{op}"]
     out.update(memcpy_gbps=TOTAL_BYTES / memcpy / GB, batch_pages=batch_pages,
                repeats=repeats, aead=AEAD, sealed_set_breakdown_s=split,
-               sealed_set_s=med["sealed_set"], memcpy_s=memcpy)
+               sealed_set_s=med["sealed_set"], sealed_objstore_set_s=med["sealed_objstore_set"],
+               memcpy_s=memcpy, capacity_bytes=cfg.storage.capacity_bytes,
+               arena_slots={k: v for k, v in arena.items() if k != "id"})
     return out
 
 
@@ -647,10 +675,12 @@ def print_sealed(r: dict[str, Any]) -> None:
         f"get {r[f'{label}_get_gbps']:.2f} GB/s ({r[f'{label}_get_vs_memcpy']:.2f}x), "
         f"get_fresh {r[f'{label}_get_fresh_gbps']:.2f} GB/s "
         f"({r[f'{label}_get_fresh_vs_memcpy']:.2f}x)" for label in SEALED_STORES))
-    split = r["sealed_set_breakdown_s"]
-    print(f"sealed set of {TOTAL_BYTES >> 20} MiB: {r['sealed_set_s'] * 1e3:.0f} ms (memcpy "
-          f"{r['memcpy_s'] * 1e3:.0f} ms); alone: " + ", ".join(
-              f"{k} {v * 1e3:.0f} ms" for k, v in split.items()))
+    for label, split in r["sealed_set_breakdown_s"].items():
+        print(f"{label} set of {TOTAL_BYTES >> 20} MiB: {r[f'{label}_set_s'] * 1e3:.0f} ms "
+              f"(memcpy {r['memcpy_s'] * 1e3:.0f} ms); alone: " + ", ".join(
+                  f"{k} {v * 1e3:.0f} ms" for k, v in split.items()))
+    print(f"arena vs object store: set {r['sealed_objstore_set_s'] / r['sealed_set_s']:.2f}x "
+          f"faster, get {r['sealed_get_gbps'] / r['sealed_objstore_get_gbps']:.2f}x")
     print(f"sealed vs unsealed: get {r['sealed_get_vs_unsealed']:.2f}x, set "
           f"{r['sealed_set_vs_unsealed']:.2f}x (chacha: get "
           f"{r['sealed_chacha_get_vs_unsealed']:.2f}x, set "
@@ -705,7 +735,8 @@ def run_sealed(args: argparse.Namespace) -> dict[str, Any]:
 def sealed_keys(r: dict[str, Any]) -> dict[str, float]:
     return {"sealed_get_vs_memcpy": r["sealed_get_vs_memcpy"],
             "sealed_get_vs_unsealed": r["sealed_get_vs_unsealed"],
-            "sealed_set_vs_memcpy": r["sealed_set_vs_memcpy"]}
+            "sealed_set_vs_memcpy": r["sealed_set_vs_memcpy"],
+            "sealed_objstore_set_vs_memcpy": r["sealed_objstore_set_vs_memcpy"]}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from pd_cache.core.config import StorageConfig
 from pd_cache.core.stats import Stats
 from pd_cache.core.vocab import Event, MissReason
 from pd_cache.metrics import PDCacheMetrics, resolve_exporter
+from pd_cache.storage.arena import this_node
 from pd_cache.storage.base import (
     ExtraInfo,
     Pending,
@@ -39,7 +40,7 @@ from pd_cache.storage.base import (
 )
 from pd_cache.storage.batch import Batch, check_batch, normalize_keys, usable_hits
 from pd_cache.storage.placement import chain_shards, rendezvous
-from pd_cache.storage.reader import Checksummer, Received, receive, remaining
+from pd_cache.storage.reader import Checksummer, Received, count_read, receive, remaining
 from pd_cache.storage.record import CHECKPOINT_POOLS
 
 if TYPE_CHECKING:
@@ -91,6 +92,7 @@ class StorageClient(SubmittedBackend):
         self.metrics = metrics
         self._warned: set[tuple[int, MissReason]] = set()
         self._checksums = Checksummer(verify_threads)
+        self.node = this_node()   # NOTE: a shard on this machine lends its arena records
 
     @classmethod
     def from_config(cls, config: Any, name: str | None = None, *, detached: bool = False,
@@ -109,7 +111,7 @@ class StorageClient(SubmittedBackend):
         batches = check_batch(transfers, extra_info, self.algo, with_pages=False)
         if not batches:
             raise ValueError("transfers: name at least one pool")
-        plan = self._plan(batches, extra_info)
+        plan = self.plan(batches, extra_info)
         refs = {s: self.handles[s].batch_exists_v2.remote(_share(batches, parts), extra_info)
                 for s, parts in plan.items()}
         return _FanOut(refs, lambda answers: _merge_exists(batches, plan, answers),
@@ -118,9 +120,9 @@ class StorageClient(SubmittedBackend):
     def submit_get_v2(self, transfers: Sequence[PoolTransfer],
                       extra_info: ExtraInfo | None = None) -> Pending[list[PoolTransfer]]:
         batches = check_batch(transfers, extra_info, self.algo, with_pages=False)
-        plan = self._plan(batches, extra_info)
+        plan = self.plan(batches, extra_info)
         refs = {s: self.handles[s].batch_get_shared_v2.remote(_share(batches, parts),
-                                                               extra_info)
+                                                               extra_info, self.node)
                 for s, parts in plan.items()}
         merge = _merger(batches, plan, None, lambda b, pages: PoolTransfer(b.pool, b.keys, pages))
         rid = extra_info.request_id if extra_info else None
@@ -131,7 +133,7 @@ class StorageClient(SubmittedBackend):
                       extra_info: ExtraInfo | None = None) -> Pending[list[list[bool]]]:
         # NOTE: every shard's share is checked before any is sent: bad input stores nothing.
         batches = check_batch(transfers, extra_info, self.algo, with_pages=True)
-        plan = self._plan(batches, extra_info)
+        plan = self.plan(batches, extra_info)
         refs = {s: self.handles[s].batch_set_v2.remote(_share(batches, parts), extra_info)
                 for s, parts in plan.items()}
         merge = _merger(batches, plan, False, lambda b, acks: acks)
@@ -178,7 +180,7 @@ class StorageClient(SubmittedBackend):
         before them; ``None``: no chain, page by page)."""
         return chain_shards(keys, prefix, len(self.handles), self.segment_pages)
 
-    def _plan(self, batches: list[Batch], info: ExtraInfo | None) -> Plan:
+    def plan(self, batches: list[Batch], info: ExtraInfo | None) -> Plan:
         """Which keys each shard gets; a sidecar pool's keys go where their pages' KV goes."""
         prefix = None if info is None or info.prefix_keys is None else \
             normalize_keys(info.prefix_keys, self.algo, "extra_info.prefix_keys")
@@ -224,9 +226,7 @@ class StorageClient(SubmittedBackend):
         return fault
 
     def _count(self, event: Event, reason: MissReason, n: int) -> None:
-        self._stats.count(event, reason, n)
-        if event is Event.MISS and self.metrics is not None:
-            self.metrics.count_miss(reason, n)
+        count_read(self._stats, self.metrics, event, reason, n)
 
     def _log_fault(self, fault: ShardFault) -> None:
         # NOTE: a dead shard fails every call; say so once per shard and reason.

@@ -7,25 +7,31 @@ on one node), then verifies each record it asked for: the cheap header checks on
 then every checksum in one :class:`Checksummer` call, which splits a large batch over a
 few threads (``pd_cache.storage.spread``). A record that fails is a miss the tier is told
 to discard; a block that cannot be fetched (the tier died with its objects, or the
-deadline passed) makes its keys misses.
+deadline passed) makes its keys misses. An arena record (``storage.arena``) comes as a
+record already (a view of its slot, or its bytes), or as ``Lost``: a miss.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
 from pd_cache.core.config import KVLayout
-from pd_cache.core.vocab import MissReason
+from pd_cache.core.stats import Stats
+from pd_cache.core.vocab import Event, MissReason
+from pd_cache.storage.arena_record import Lost
+from pd_cache.storage.base import Pending, ShardFault
 from pd_cache.storage.record import PageRecord, checksums, verify_all
 from pd_cache.storage.shared import SharedPages
 from pd_cache.storage.spread import Spread
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 class Checksummer(Spread):
     """Computes the checksums of many payloads, on up to ``threads`` threads at once."""
@@ -63,8 +69,16 @@ def receive(shared: SharedPages, keys: Sequence[bytes], priors: Sequence[bytes |
     else:
         blocks, reason, detail = _fetch(shared.blocks, deadline)
     for k, at in enumerate(shared.pages if shared.lent else ()):
-        block = None if at is None else blocks[at[0]]
-        lost += at is not None and block is None
+        if isinstance(at, Lost):   # an arena record gone since it was lent
+            lost += 1
+            reason, detail = reason or MissReason.STORAGE_ERROR, detail or at.detail
+            pages.append(None)
+            continue
+        if at is None or isinstance(at, PageRecord):   # absent, or an arena record
+            pages.append(at)
+            continue
+        block = blocks[at[0]]
+        lost += block is None
         pages.append(None if block is None else _pick(block, at[1]))
         if block is not None and pages[k] is None:
             problems[k] = "not a record"
@@ -113,6 +127,39 @@ def _fetch_one(ref: Any, deadline: float | None) -> Any:
         return ray.get(ref, timeout=remaining(deadline))
     except ray.exceptions.RayError:
         return None
+
+
+OPENER = -1   # a ``ShardFault.shard`` that is no shard: the reader, whose open refused it
+
+
+class Opening(Pending[T]):
+    """A get whose records are opened as it is collected: a page that does not open is a
+    fault of the result (after the shards' own), so a caller counts its miss by its reason
+    (not as a page the store does not hold)."""
+
+    def __init__(self, inner: Pending[Any],
+                 fn: Callable[[Any, list[ShardFault]], T]) -> None:
+        self._inner, self._fn, self._refused = inner, fn, []
+
+    def done(self) -> bool:
+        return self._inner.done()
+
+    def result(self, timeout: float | None = None) -> T:
+        self._refused.clear()
+        return self._fn(self._inner.result(timeout), self._refused)
+
+    @property
+    def faults(self) -> list[ShardFault]:
+        return [*self._inner.faults, *self._refused]
+
+
+def count_read(stats: Stats, metrics: Any, event: Event, reason: MissReason,
+               n: int = 1) -> None:
+    """Count what a reader saw in its ``stats``; a miss also in ``metrics`` (if any:
+    ``pd_cache_storage_misses_total``), where a store's own misses are exported by it."""
+    stats.count(event, reason, n)
+    if event is Event.MISS and metrics is not None:
+        metrics.count_miss(reason, n)
 
 
 def remaining(deadline: float | None) -> float | None:

@@ -36,16 +36,19 @@ from cryptography.exceptions import InvalidTag
 from pd_cache.core.sealing import KeyId, Keyring
 from pd_cache.core.stats import Stats
 from pd_cache.core.vocab import Event, MissReason
+from pd_cache.storage.arena_writer import ArenaWriter, Slotted, committed_all
 from pd_cache.storage.base import (
     ExtraInfo,
     Pending,
     PoolHits,
     PoolTransfer,
+    ShardFault,
     StorageBackend,
     SubmittedBackend,
     Usage,
 )
 from pd_cache.storage.cipher import AEAD, AEADS, open_into, seal_into
+from pd_cache.storage.reader import OPENER, Opening, count_read
 from pd_cache.storage.record import (
     DTYPES,
     KV_POOL,
@@ -201,8 +204,9 @@ class SealedStorage(SubmittedBackend):
     checksums_in_reader = True   # the tags were checked here, on the bytes returned
 
     def __init__(self, inner: StorageBackend, sealer: Sealer, metrics: Any = None, *,
-                 scratch_bytes: int = 0, threads: int | None = None) -> None:
-        self.inner, self.sealer, self.metrics = inner, sealer, metrics
+                 scratch_bytes: int = 0, threads: int | None = None,
+                 arena: ArenaWriter | None = None) -> None:
+        self.inner, self.sealer, self.metrics, self.arena = inner, sealer, metrics, arena
         self.algo, self.seals = inner.algo, sealer.enabled
         self.scratch_bytes = scratch_bytes
         self._stats = Stats()
@@ -217,8 +221,9 @@ class SealedStorage(SubmittedBackend):
     def submit_get_v2(self, transfers: Sequence[PoolTransfer],
                       extra_info: ExtraInfo | None = None) -> Pending[list[PoolTransfer]]:
         tenant = _tenant(extra_info)
-        return self.inner.submit_get_v2(transfers, _stripped(extra_info)).then(
-            lambda got: [self._open_all(t, tenant) for t in got])
+        return Opening(self.inner.submit_get_v2(transfers, _stripped(extra_info)),
+                        lambda got, faults: [self._open_all(t, tenant, (), faults)
+                                             for t in got])
 
     def submit_get_into(self, keys: Sequence[bytes], into: Sequence[torch.Tensor],
                         extra_info: ExtraInfo | None = None
@@ -231,8 +236,9 @@ class SealedStorage(SubmittedBackend):
         if len(into) != len(keys):
             raise ValueError(f"into: {len(into)} tensors for {len(keys)} keys")
         tenant, transfer = _tenant(extra_info), PoolTransfer(KV_POOL, list(keys))
-        return self.inner.submit_get_v2([transfer], _stripped(extra_info)).then(
-            lambda got: list(self._open_all(got[0], tenant, into).pages or []))
+        return Opening(self.inner.submit_get_v2([transfer], _stripped(extra_info)),
+                        lambda got, faults: list(self._open_all(got[0], tenant, into,
+                                                                faults).pages or []))
 
     def submit_set_v2(self, transfers: Sequence[PoolTransfer],
                       extra_info: ExtraInfo | None = None) -> Pending[list[list[bool]]]:
@@ -240,38 +246,52 @@ class SealedStorage(SubmittedBackend):
         if not self.sealer.enabled or not pages:
             return self.inner.submit_set_v2(transfers, _stripped(extra_info))
         with self._set_lock:
-            sealed = iter(self._seal_all(pages, _tenant(extra_info)))
+            slots = [None] * len(pages) if self.arena is None else self.arena.grant(
+                transfers, extra_info, [sealed_nbytes(p) for p in pages])
+            sealed = iter(committed_all(self._seal_all(pages, _tenant(extra_info), slots),
+                                        slots))
             return self.inner.submit_set_v2([t if t.pages is None else msgspec.structs.replace(
                 t, pages=[next(sealed) if isinstance(p, PageRecord) else p for p in t.pages])
                 for t in transfers], _stripped(extra_info))
 
-    def _seal_all(self, pages: list[PageRecord], tenant: str) -> list[PageRecord]:
-        """``pages`` sealed, into the scratch buffer when it may hold them, on the spread's
-        threads when they are many bytes."""
+    def _seal_all(self, pages: list[PageRecord], tenant: str,
+                  slots: Sequence[Slotted | None] = ()) -> list[PageRecord]:
+        """``pages`` sealed, each into its arena slot if it has one (``slots``), the rest
+        into the scratch buffer when it may hold them; on the spread's threads when they
+        are many bytes."""
         sizes = [sealed_nbytes(p) for p in pages]
+        slots = list(slots) or [None] * len(pages)
+        rest = [n for n, slot in zip(sizes, slots) if slot is None]
         total = sum(sizes)
-        if total > self.scratch_bytes:
-            outs: list[torch.Tensor | None] = [None] * len(pages)
+        if sum(rest) > self.scratch_bytes:
+            parts: list[torch.Tensor | None] = [None] * len(rest)
         else:
-            if self._scratch.numel() < total:
-                self._scratch = torch.empty(total, dtype=torch.uint8)
-            outs = _split(self._scratch, sizes)
+            if self._scratch.numel() < sum(rest):
+                self._scratch = torch.empty(sum(rest), dtype=torch.uint8)
+            parts = _split(self._scratch, rest)
+        free = iter(parts)
+        outs = [next(free) if slot is None else slot.view(n) for n, slot in zip(sizes, slots)]
         return self._spread.map(lambda run: [self.sealer.seal(p, tenant, o) for p, o in run],
                                 list(zip(pages, outs)), total)
 
-    def _open_all(self, transfer: PoolTransfer, tenant: str, into: Into = ()) -> PoolTransfer:
+    def _open_all(self, transfer: PoolTransfer, tenant: str, into: Into = (),
+                  faults: list[ShardFault] | None = None) -> PoolTransfer:
         """Every page of ``transfer`` opened (into ``into``'s tensors, one per key, when
-        given) on the spread's threads; one that does not is counted, and discarded if it
-        is this tenant's."""
+        given) on the spread's threads; one that does not is counted (and listed in
+        ``faults``, once per transfer), and discarded if it is this tenant's."""
         pages = list(transfer.pages or [])
         outs = _padded(into, len(pages))
         nbytes = sum(p.nbytes for p in pages if p is not None)
         opened = self._spread.map(
             lambda run: [None if p is None else self.sealer.open(p, tenant, (o,))
                          for p, o in run], list(zip(pages, outs)), nbytes)
-        bad = [key for key, page, got in zip(transfer.keys, pages, opened)
-               if got is not None and got.reason is not None
-               and self._refused(page, got, transfer.pool, tenant)]
+        refused = [(key, page, got) for key, page, got in zip(transfer.keys, pages, opened)
+                   if got is not None and got.reason is not None]
+        if refused and faults is not None:   # NOTE: the caller's miss is this, not "absent"
+            faults.append(ShardFault(OPENER, refused[0][2].reason
+                                     or MissReason.VERIFICATION_FAILED, refused[0][2].detail))
+        bad = [key for key, page, got in refused
+               if self._refused(page, got, transfer.pool, tenant)]
         if bad:   # NOTE: the store deletes them, so the page can be stored again
             self.inner.discard_v2(transfer.pool, bad)
         return msgspec.structs.replace(transfer, pages=[None if got is None else got.record
@@ -280,16 +300,13 @@ class SealedStorage(SubmittedBackend):
     def _refused(self, page: PageRecord, got: Opened, pool: str, tenant: str) -> bool:
         """Count a record that did not open; whether its store should discard it."""
         log.warning("L3 record %s/%s does not open: %s", pool, page.name.hex(), got.detail)
-        self._miss(got.reason or MissReason.VERIFICATION_FAILED)
+        # NOTE: the store counts the discard; the miss is this reader's
+        count_read(self._stats, self.metrics, Event.MISS,
+                   got.reason or MissReason.VERIFICATION_FAILED)
         seal = page.header.seal
         # NOTE: another owner's record is left alone (this reader cannot tell it is bad);
         # a set under this owner's key replaces it.
         return seal is None or seal.owner == self.sealer.keyring.owner(tenant)
-
-    def _miss(self, reason: MissReason) -> None:
-        self._stats.count(Event.MISS, reason)   # the store counts the discard
-        if self.metrics is not None:
-            self.metrics.count_miss(reason, 1)
 
     def stats(self) -> dict[str, int]:
         total = Stats()

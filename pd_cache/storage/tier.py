@@ -23,6 +23,8 @@ from pd_cache.core.request import Req, compute_prefix_hash
 from pd_cache.core.stats import Stats
 from pd_cache.core.vocab import STORAGE_OPS, StorageOp
 from pd_cache.storage import make_backend
+from pd_cache.storage.arena import Grant
+from pd_cache.storage.arena_backend import ArenaBackend
 from pd_cache.storage.base import ExtraInfo, PoolHits, PoolTransfer, StorageBackend, Usage
 from pd_cache.storage.exporter import StatsExporter
 from pd_cache.storage.local import LocalBackend
@@ -76,13 +78,27 @@ class StorageTier:
         return self.backend.batch_get_v2(transfers, extra_info)
 
     def batch_get_shared_v2(self, transfers: Sequence[PoolTransfer],
-                            extra_info: ExtraInfo | None = None) -> list[SharedPages]:
-        """``batch_get_v2`` for the client: lent refs if the backend lends, else records."""
+                            extra_info: ExtraInfo | None = None,
+                            node: str | None = None) -> list[SharedPages]:
+        """``batch_get_v2`` for the client: lent refs if the backend lends, else records
+        (``node``: the caller's machine, where an arena record may be lent by reference)."""
         self._calls.count(StorageOp.GET)
+        if isinstance(self.backend, ArenaBackend):
+            return self.backend.batch_lend_v2(transfers, extra_info, node)
         if isinstance(self.backend, SharedMemoryBackend):
             return self.backend.batch_lend_v2(transfers, extra_info)
         return [SharedPages(t.pool, list(t.pages or []), layout=self.backend.layout)
                 for t in self.backend.batch_get_v2(transfers, extra_info)]
+
+    def arena_grant(self, sizes: Sequence[int], node: str) -> Grant:
+        """Arena slots for records of ``sizes`` bytes (``ArenaBackend.arena_grant``)."""
+        if not isinstance(self.backend, ArenaBackend):
+            return Grant(None, [None] * len(sizes))
+        return self.backend.arena_grant(sizes, node)
+
+    def arena_usage(self) -> dict[str, Any]:
+        """The arena's slots by state (``{}``: the backend has none)."""
+        return self.backend.arena_usage() if isinstance(self.backend, ArenaBackend) else {}
 
     def discard_v2(self, pool: str, keys: Sequence[bytes]) -> int:
         """Delete records a reader found bad (``StorageBackend.discard_v2``)."""
@@ -144,12 +160,13 @@ class StorageTier:
 
 
 def tier_backend(config: PDCacheConfig, shard: int = 0) -> StorageBackend:
-    """The shard's backend; in a Ray process, ``memory`` keeps records in the object store."""
+    """The shard's backend; in a Ray process, ``memory`` keeps records in an arena and the
+    object store (``storage.arena_backend``)."""
     algo = config.cache.hash_algo
     if config.storage.backend != "memory" or not _in_ray():
         backend = make_backend(config.storage, config.layout, algo=algo, shard=shard)
     else:
-        backend = SharedMemoryBackend.from_config(config.storage, config.layout, algo=algo,
+        backend = ArenaBackend.from_config(config.storage, config.layout, algo=algo,
                                                   shard=shard)
         _warn_if_spilling(backend.capacity_bytes)
     if isinstance(backend, LocalBackend):   # NOTE: no more of the shard pinned than this

@@ -37,12 +37,12 @@ def test_a_batch_in_one_segment_reaches_one_shard_with_its_sidecar() -> None:
     client = StorageClient([None] * 4, segment_pages=8)
     ask = [PoolTransfer("kv", chain[2:8]), PoolTransfer("state", chain[7:8])]
     info = ExtraInfo(prefix_keys=chain[:2])
-    plan = client._plan(check_batch(ask, info, "xxh3_128", with_pages=False), info)
+    plan = client.plan(check_batch(ask, info, "xxh3_128", with_pages=False), info)
     assert list(plan) == [rendezvous(chain[0], 4)]
     assert plan[rendezvous(chain[0], 4)] == [(0, list(range(6))), (1, [0])]
     # across a segment's end: two shards at most, each with its own run
     info = ExtraInfo(prefix_keys=chain[:6])
-    plan = client._plan(check_batch([PoolTransfer("kv", chain[6:12])], info, "xxh3_128",
+    plan = client.plan(check_batch([PoolTransfer("kv", chain[6:12])], info, "xxh3_128",
                                     with_pages=False), info)
     owners = {s: pos for s, [(_, pos)] in plan.items()}
     assert sorted(owners.values()) == sorted([[0, 1], [2, 3, 4, 5]])

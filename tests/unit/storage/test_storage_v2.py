@@ -280,10 +280,10 @@ def test_sharded_exists_ends_at_a_state_on_any_shard() -> None:
         states = PoolTransfer("state", [chain.names[i] for i in with_states],
                               [chain.states[i] for i in with_states])
         batches = check_batch([kv, states], None, "xxh3_128", with_pages=True)
-        for s, parts in client._plan(batches, None).items():
+        for s, parts in client.plan(batches, None).items():
             shards[s].batch_set_v2(_share(batches, parts))
         batches = check_batch(ask, info, "xxh3_128", with_pages=False)
-        plan = client._plan(batches, info)
+        plan = client.plan(batches, info)
         answers = {s: shards[s].batch_exists_v2(_share(batches, parts))
                    for s, parts in plan.items()}
         hits = _merge_exists(batches, plan, answers)

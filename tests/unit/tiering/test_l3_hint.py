@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from pd_cache.core.hashing import page_hashes
 from pd_cache.core.request import Req
+from pd_cache.core.sealing import Keyring
 from pd_cache.core.vocab import Event, MissReason
 from pd_cache.storage import make_backend
+from pd_cache.storage.seal import SealedStorage, Sealer
 from pd_cache.worker.engine import LocalEngine
 from tests.unit.tiering.fakes import (
     PS,
@@ -141,3 +143,24 @@ def test_decode_offload_starts_where_prefill_said_l3_ends_without_asking() -> No
     assert r.output_ids == reference(engine, r)
     assert_clean(engine)
     engine.close()
+
+
+def test_a_record_that_does_not_open_is_one_miss_by_its_reason_not_also_absent() -> None:
+    cfg = config(batch=4, policy="wait_complete")
+    inner = make_backend(cfg.storage, cfg.layout)
+    p = prompt(35, 41)                                   # 10 full pages
+    writer = LocalEngine(cfg, storage=SealedStorage(inner, Sealer(Keyring.random())))
+    writer.prefill(Req(rid="w", input_ids=p, max_new_tokens=1))
+    assert writer.flush(10) and inner.batch_exists(page_hashes(p, PS)) == 10
+    thief = SealedStorage(inner, Sealer(Keyring.random()))   # another secret: tags fail
+    engine = LocalEngine(cfg, storage=thief)
+    r = Req(rid="r", input_ids=p, max_new_tokens=3)
+    out = engine.prefill(r)
+    assert out.cached_tokens["storage"] == 0
+    assert thief.stats()["miss/verification_failed"] == 4       # the first batch's records
+    # the prompt's pages are counted once, by why they were lost: none as "not stored"
+    assert engine.stats.get(Event.MISS, MissReason.VERIFICATION_FAILED) == 10
+    assert engine.stats.get(Event.MISS, MissReason.NOT_STORED) == 0
+    assert engine.flush(10)
+    for e in (writer, engine):
+        e.close()
