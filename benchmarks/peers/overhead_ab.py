@@ -2,7 +2,7 @@
 checkpoint, one request at a time, split by hop (``overhead.py``), old and new alternating.
 
     python benchmarks/peers/overhead_ab.py --old REV [--new REV] [--layout 1+1+1]
-        [--new-also-on LAYOUT ...] [--repeats 3] [--requests 20] [--env KEY=VALUE ...]
+        [--also REV@LAYOUT ...] [--repeats 3] [--requests 20] [--env KEY=VALUE ...]
 
 Each repeat starts the server of each commit in turn (old, new, old, new, ...), so drifts
 in a shared machine's load fall on both alike; each commit runs from a temporary git
@@ -11,8 +11,9 @@ before any server starts. ``--layout`` is serve_config's (``serve_config``: 2 pr
 decode + 2 L3 shards) or ``P+D+S`` workers. Medians of the repeats (each run's own figures
 are medians of ``--requests`` requests) go under the layout's key in
 ``benchmarks/results/overhead.json`` (an entry it replaces moves to ``earlier``); the other
-layouts' entries are kept. ``--new-also-on LAYOUT`` runs the new commit on that layout too,
-in turn with the others (side ``new@LAYOUT``): two layouts compared in the same minutes.
+layouts' entries are kept. ``--also REV@LAYOUT`` adds a side: a commit (``new``, ``old`` or
+any revision) on a layout, run in turn with the others (a third commit, or two layouts
+compared in the same minutes).
 ``--env`` sets
 an environment variable for both servers (a Serve knob, say). Run it alone, under the
 shared Ray lock: it starts a Ray cluster per run.
@@ -85,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--old", required=True, help="the commit before the change")
     ap.add_argument("--new", default="HEAD", help="the commit after it (default HEAD)")
     ap.add_argument("--layout", default="serve_config", help="serve_config or P+D+S")
-    ap.add_argument("--new-also-on", action="append", default=[], metavar="LAYOUT",
-                    help="the new commit on this layout too (side new@LAYOUT)")
+    ap.add_argument("--also", action="append", default=[], metavar="REV@LAYOUT",
+                    help="another side: REV (new, old or a commit) on LAYOUT")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--requests", type=int, default=20, help="requests a run")
     ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
@@ -101,8 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     scratch = Path(tempfile.mkdtemp(prefix="pd-cache-overhead-"))
     trees: dict[str, Path] = {}
     revs = {"old": short(args.old), "new": short(args.new)}   # HEAD may move meanwhile
-    sides = {"old": ("old", args.layout), "new": ("new", args.layout),
-             **{f"new@{lay}": ("new", lay) for lay in args.new_also_on}}
+    sides = {"old": ("old", args.layout), "new": ("new", args.layout)}
+    for also in args.also:
+        rev, layout = also.rsplit("@", 1)
+        if rev not in revs:
+            revs[rev] = short(rev)
+        sides[also] = (rev, layout)
     runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
     load = [os.getloadavg()[0]]
     try:
@@ -121,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force",
                             str(tree)], check=False)
         shutil.rmtree(scratch, ignore_errors=True)
-    entry = {**revs, "repeats": args.repeats,
+    entry = {**revs, "sides": sides, "repeats": args.repeats,
              "requests": args.requests, "prompt_tokens": TOKENS, "env": env, "floor": floor,
              "load_avg_1m": [round(x, 2) for x in load],
              "median": {side: medians(r) for side, r in runs.items()}, "runs": runs}
