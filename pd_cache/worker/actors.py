@@ -151,7 +151,8 @@ class PrefillActor(_Hosted, PrefillWorker):
         L3 write-through and the metrics follow once all three are on their way (so the
         call's end, ``completed()``, says the KV is stored)."""
         result, after = self._first(req, kept_pages, l3_pages)
-        yield from result
+        for item in result:   # NOTE: not ``yield from``: Ray sends into the generator
+            yield item
         after()
 
     def _first(self, req: Req, kept_pages: int | list[Any],
