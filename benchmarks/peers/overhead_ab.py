@@ -2,7 +2,7 @@
 checkpoint, one request at a time, split by hop (``overhead.py``), old and new alternating.
 
     python benchmarks/peers/overhead_ab.py --old REV [--new REV] [--layout 1+1+1]
-        [--repeats 3] [--requests 20] [--env KEY=VALUE ...]
+        [--also REV@LAYOUT ...] [--repeats 3] [--requests 20] [--env KEY=VALUE ...]
 
 Each repeat starts the server of each commit in turn (old, new, old, new, ...), so drifts
 in a shared machine's load fall on both alike; each commit runs from a temporary git
@@ -10,7 +10,11 @@ worktree (``ab_commits.checkout``). The compute floor is measured once, in this 
 before any server starts. ``--layout`` is serve_config's (``serve_config``: 2 prefill + 2
 decode + 2 L3 shards) or ``P+D+S`` workers. Medians of the repeats (each run's own figures
 are medians of ``--requests`` requests) go under the layout's key in
-``benchmarks/results/overhead.json``; the other layouts' entries are kept. ``--env`` sets
+``benchmarks/results/overhead.json`` (an entry it replaces moves to ``earlier``); the other
+layouts' entries are kept. ``--also REV@LAYOUT`` adds a side: a commit (``new``, ``old`` or
+any revision) on a layout, run in turn with the others (a third commit, or two layouts
+compared in the same minutes).
+``--env`` sets
 an environment variable for both servers (a Serve knob, say). Run it alone, under the
 shared Ray lock: it starts a Ray cluster per run.
 """
@@ -50,6 +54,12 @@ def layout_flags(layout: str) -> list[str]:
     return ["--num-prefill", str(p), "--num-decode", str(d), "--num-storage", str(s)]
 
 
+def short(rev: str) -> str:
+    """``rev``'s abbreviated commit hash (what a result records: HEAD moves)."""
+    return subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", rev], check=True,
+                          capture_output=True, text=True).stdout.strip()
+
+
 def run_one(tree: Path, work: Path, model_dir: str, flags: list[str], env: dict[str, str],
             requests: int, floor: float) -> dict[str, Any]:
     """One server from ``tree``: started, measured, stopped."""
@@ -76,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--old", required=True, help="the commit before the change")
     ap.add_argument("--new", default="HEAD", help="the commit after it (default HEAD)")
     ap.add_argument("--layout", default="serve_config", help="serve_config or P+D+S")
+    ap.add_argument("--also", action="append", default=[], metavar="REV@LAYOUT",
+                    help="another side: REV (new, old or a commit) on LAYOUT")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--requests", type=int, default=20, help="requests a run")
     ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
@@ -89,17 +101,24 @@ def main(argv: list[str] | None = None) -> int:
     floor = overhead.floor_ms(model_dir, TOKENS)
     scratch = Path(tempfile.mkdtemp(prefix="pd-cache-overhead-"))
     trees: dict[str, Path] = {}
-    runs: dict[str, list[dict[str, Any]]] = {"old": [], "new": []}
+    revs = {"old": short(args.old), "new": short(args.new)}   # HEAD may move meanwhile
+    sides = {"old": ("old", args.layout), "new": ("new", args.layout)}
+    for also in args.also:
+        rev, layout = also.rsplit("@", 1)
+        if rev not in revs:
+            revs[rev] = short(rev)
+        sides[also] = (rev, layout)
+    runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
     load = [os.getloadavg()[0]]
     try:
-        for side, rev in (("old", args.old), ("new", args.new)):
+        for side, rev in revs.items():
             trees[side] = checkout(rev, scratch / side)
         for i in range(args.repeats):
-            for side in ("old", "new"):
-                run = run_one(trees[side], args.work_dir, model_dir, layout_flags(args.layout),
+            for side, (tree, layout) in sides.items():
+                run = run_one(trees[tree], args.work_dir, model_dir, layout_flags(layout),
                               env, args.requests, floor["min_ms"])
                 runs[side].append(run)
-                print(f"{args.layout} run {i + 1}/{args.repeats} {side}: overhead "
+                print(f"{layout} run {i + 1}/{args.repeats} {side}: overhead "
                       f"{run['serving_overhead_ms']} ms, hops {run['hops_p50_ms']}", flush=True)
         load.append(os.getloadavg()[0])
     finally:
@@ -107,14 +126,17 @@ def main(argv: list[str] | None = None) -> int:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force",
                             str(tree)], check=False)
         shutil.rmtree(scratch, ignore_errors=True)
-    entry = {"old": args.old, "new": args.new, "repeats": args.repeats,
+    entry = {**revs, "sides": sides, "repeats": args.repeats,
              "requests": args.requests, "prompt_tokens": TOKENS, "env": env, "floor": floor,
              "load_avg_1m": [round(x, 2) for x in load],
              "median": {side: medians(r) for side, r in runs.items()}, "runs": runs}
     result = json.loads(args.output.read_text()) if args.output.exists() else {}
+    if args.layout in result:
+        result.setdefault("earlier", []).append({"layout": args.layout,
+                                                 **result[args.layout]})
     result[args.layout] = entry
     args.output.write_text(json.dumps(result, indent=2) + "\n")
-    for side in ("old", "new"):
+    for side in sides:
         print(f"{side}: {entry['median'][side]}")
     print(f"wrote {args.output}")
     return 0

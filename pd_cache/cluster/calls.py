@@ -1,10 +1,10 @@
-"""A worker's call as the router sees it: awaited (its own errors come back as themselves)
-or abandoned (its caller went away)."""
+"""A worker's call as the router sees it: awaited (its own errors come back as themselves),
+streamed (a prefill's answer first, its KV after) or abandoned (its caller went away)."""
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, NamedTuple
 
 from pd_cache.core.request import DeadlineExceeded
 
@@ -23,6 +23,27 @@ async def unwrap(ref: Any) -> Any:
             if isinstance(exc.cause, kind):
                 raise kind(str(exc.cause)) from None
         raise
+
+
+class Streamed(NamedTuple):
+    """A prefill call to ``worker`` streamed (``PrefillActor.prefill_stream``): its first
+    item, the answer, taken; the prompt's KV pages and states (a hybrid prompt's) follow."""
+
+    worker: int
+    gen: Any
+
+
+async def first_item(gen: Any) -> Any:
+    """The first item of a streaming call (``ObjectRefGenerator``), awaited."""
+    return await (await gen.__anext__())
+
+
+async def handoff_refs(streamed: Streamed) -> list[Any]:
+    """The refs of the KV pages and states that follow a streamed answer, once the call
+    ended (both stored then, so neither value is fetched here); the call's error, if it
+    failed after answering."""
+    await streamed.gen.completed()
+    return [next(streamed.gen), next(streamed.gen)]
 
 
 def abandon(ref: Any | None) -> None:

@@ -10,8 +10,8 @@ One request::
                           prefix, k = its pages locked for the handoff (decode_route.py);
                           not awaited here: prefill takes k once it has computed
       -> prefill[p]       p = longest known prefix match in req's namespace, by load
-         (info_ref, pages_ref, states_ref)   await info: TTFT; pages after k (and a
-                          hybrid prompt's states) stay in the object store
+         (info, pages, states) streamed: info (the first token) back first: TTFT; pages
+                          after k (and a hybrid prompt's states) stay in the object store
       -> decode[d]        d as reserved, else the least loaded; fetches them itself,
                           generates (steps batched with its other requests in flight),
                           offloads, keeps its pages (decode cache)
@@ -39,7 +39,7 @@ from typing import Any
 
 import msgspec
 
-from pd_cache.cluster.calls import abandon, unwrap
+from pd_cache.cluster.calls import Streamed, abandon, first_item, handoff_refs, unwrap
 from pd_cache.cluster.decode_route import NOTHING, DecodeRouting, Reserved, decode_balance
 from pd_cache.cluster.health import Liveness, WorkerDied, ping_all, worker_died
 from pd_cache.cluster.index_route import IndexClient, IndexRouting
@@ -191,8 +191,9 @@ class PDCluster(IndexRouting, DecodeRouting, ClusterOperations):
             msgspec.structs.replace(out, output_ids=list(sent))
         yield self._complete(req, first, whole, ttft, time.perf_counter() - start, attempt)
 
-    async def _decode_stream(self, req: Req, info: PrefillInfo, handoff: Any,
+    async def _decode_stream(self, req: Req, info: PrefillInfo, streamed: Streamed,
                              pinned: int | None) -> AsyncIterator[int | DecodeInfo]:
+        handoff = await self._handoff(req, streamed, pinned)
         worker = self._pick_decode(pinned, (), info.page_names)
         self.decode_router.begin(worker)
         actor, finished, calls = self.decode[worker], False, None
@@ -238,7 +239,7 @@ class PDCluster(IndexRouting, DecodeRouting, ClusterOperations):
         ``l3_pages``: the leading pages of ``names`` L3 holds (the worker reads them with
         no ``exists``); ``None``: what the page index answers when it routes, else none."""
         self.liveness["prefill"].refresh()
-        info_ref = None
+        call = None
         try:
             route = await self._route_prefill(names, failed) if pinned is None else None
             worker = pinned if route is None else route.worker
@@ -254,21 +255,34 @@ class PDCluster(IndexRouting, DecodeRouting, ClusterOperations):
         try:
             if l3_pages is None and route is not None:
                 l3_pages = route.l3_pages   # the index's answer (None: it did not answer)
-            info_ref, *handoff = self.prefill[worker].prefill.remote(req, reserved.kept_arg,
-                                                                     l3_pages)
-            info = await self._call("prefill", worker, info_ref)
+            # NOTE: streamed: the answer (the first token) comes back before the worker
+            # stores the KV for decode, writes L3 and records metrics (``_handoff``).
+            call = self.prefill[worker].prefill_stream.remote(req, reserved.kept_arg, l3_pages)
+            info = await self._call("prefill", worker, first_item(call))
         except BaseException as e:
             self._release(reserved, req.rid)   # decode will not see this request
-            if isinstance(e, asyncio.CancelledError) and info_ref is not None:
-                abandon(info_ref)   # its caller went away: a prefill still queued never runs
+            if isinstance(e, asyncio.CancelledError) and call is not None:
+                abandon(call)   # its caller went away: a prefill still queued never runs
             raise
         finally:
             self.prefill_router.end(worker)
         self.prefill_router.record(worker, info.page_names)
-        return info, handoff   # [pages_ref, states_ref]: decode fetches both
+        return info, Streamed(worker, call)
 
-    async def _decode(self, req: Req, info: PrefillInfo, handoff: Any,
+    async def _handoff(self, req: Req, streamed: Streamed, pinned: int | None) -> list[Any]:
+        """``[pages_ref, states_ref]`` of a streamed prefill, for decode to fetch; if the
+        prefill worker died after answering, ``WorkerDied`` (prefill's) and the decode
+        reservation (on ``pinned``) released."""
+        try:
+            return await self._call("prefill", streamed.worker, handoff_refs(streamed))
+        except BaseException:
+            if pinned is not None:
+                self.decode[pinned].release.remote(req.rid)
+            raise
+
+    async def _decode(self, req: Req, info: PrefillInfo, streamed: Streamed,
                       pinned: int | None, failed: Sequence[int] = ()) -> DecodeInfo:
+        handoff = await self._handoff(req, streamed, pinned)
         worker = self._pick_decode(pinned, failed, info.page_names)
         self.decode_router.begin(worker)
         try:
@@ -281,8 +295,9 @@ class PDCluster(IndexRouting, DecodeRouting, ClusterOperations):
             self.decode_router.end(worker)
 
     async def _call(self, role: str, worker: int, ref: Any) -> Any:
-        """Await a worker's call: its own errors come back as themselves, a dead worker
-        (or lost pages) as ``WorkerDied`` after the worker is marked down."""
+        """Await a worker's call (a ref, or a coroutine awaiting one): its own errors come
+        back as themselves, a dead worker (or lost pages) as ``WorkerDied`` after the worker
+        is marked down."""
         try:
             return await unwrap(ref)
         except Exception as e:

@@ -28,7 +28,8 @@ from pd_cache.core.request import Req
 from pd_cache.core.sealing import Keyring, KeyState
 from pd_cache.core.wire import DecodeInfo, PrefillInfo
 from pd_cache.worker import key_state
-from pd_cache.worker.workers import DecodeWorker, PrefillResult, PrefillWorker
+from pd_cache.worker.outputs import Answered, PrefillResult
+from pd_cache.worker.workers import DecodeWorker, PrefillWorker
 
 log = logging.getLogger(__name__)
 
@@ -140,11 +141,28 @@ class PrefillActor(_Hosted, PrefillWorker):
         prompt's states (``None`` when plain), as three objects. ``kept_pages`` may be a
         decode worker's ``reserve`` call (its ref in a list), awaited once the prompt is
         computed."""
+        result, after = self._first(req, kept_pages, l3_pages)
+        after()
+        return result
+
+    @ray.method(num_returns="streaming")
+    def prefill_stream(self, req: Req, kept_pages: int | list[Any] = 0,
+                       l3_pages: int | None = None) -> Iterator[Any]:
+        """``prefill``'s three objects as a stream, in that order: the info (the first
+        token) goes back as soon as it is drawn, before the KV is stored for decode; the
+        L3 write-through and the metrics follow once all three are on their way (so the
+        call's end, ``completed()``, says the KV is stored)."""
+        result, after = self._first(req, kept_pages, l3_pages)
+        for item in result:   # NOTE: not ``yield from``: Ray sends into the generator
+            yield item
+        after()
+
+    def _first(self, req: Req, kept_pages: int | list[Any],
+               l3_pages: int | None) -> Answered:
         self._saw(req)
         if isinstance(kept_pages, list):
-            return super().prefill(req, functools.partial(_reserved, kept_pages[0], req.rid),
-                                   l3_pages)
-        return super().prefill(req, kept_pages, l3_pages)
+            kept_pages = functools.partial(_reserved, kept_pages[0], req.rid)
+        return self.prefill_first(req, kept_pages, l3_pages)
 
 
 def _reserved(ref: Any, rid: str) -> int:
@@ -222,7 +240,8 @@ def prefill_actor(config: PDCacheConfig, worker_id: int, storage_handles: Sequen
                   storage_timeout_s: float | None = 10.0, keyring: Keyring | None = None,
                   actor: ActorOptions | None = None, index: Sequence[Any] = ()) -> Any:
     """A ``PrefillActor`` handle; ``prefill.remote(req)`` returns ``(info_ref, pages_ref,
-    states_ref)`` (states: a hybrid prompt's, ``None`` when plain).
+    states_ref)`` (states: a hybrid prompt's, ``None`` when plain); ``prefill_stream``
+    streams the same three, the info first (what the router uses).
 
     ``storage_handles``: the L3 shards, as actor handles or, better, as
     ``pd_cache.storage.tier.ShardName`` (looked up by the worker: no handle in its

@@ -9,6 +9,7 @@ workers can run them in different processes, handing the prompt's KV pages acros
                   compute the rest of the prompt, cache its new full pages, unlock,
                   CacheController.write_through: the new full pages to L3 (background)
                   -> PrefillOutput(first token, prompt KV pages, names, cached tokens)
+    prefill_first(req)  the same, the write-through left to the caller (``Answered``)
     decode(req, pages, n, first, state, names)  greedy/seeded steps over a private KV
                   buffer; with L3 the DecodeOffloadManager backs up prompt and generated
                   pages (the prompt's under the names prefill gave them)
@@ -26,7 +27,9 @@ Not thread-safe: a worker drives it from one loop (L3 writes run on their own th
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -46,9 +49,13 @@ from pd_cache.storage.base import StorageBackend
 from pd_cache.tiering.controller import CacheController, StoredPages
 from pd_cache.tiering.offload import DecodeOffloadManager
 from pd_cache.worker.decoding import Decoding
-from pd_cache.worker.outputs import PrefillOutput, PromptState, Result
+from pd_cache.worker.outputs import Answered, PrefillOutput, PromptState, Result
 
 log = logging.getLogger(__name__)
+
+
+def _nothing() -> None:
+    """What follows a prefill without L3."""
 
 
 class LocalEngine(Decoding):
@@ -113,6 +120,14 @@ class LocalEngine(Decoding):
         Raises ``ValueError`` for a request the model cannot serve (a token id outside the
         vocabulary, prompt plus ``max_new_tokens`` beyond the context); nothing is cached then.
         """
+        out, backup = self.prefill_first(req, l3_pages)
+        backup()
+        return out
+
+    def prefill_first(self, req: Req, l3_pages: int | None = None) -> Answered:
+        """``prefill`` whose L3 write-through is not yet issued: ``after()`` issues it. The
+        prompt's pages are cached already; only the background write waits, so that a
+        worker answers before its writer thread competes for the interpreter."""
         self._check_request(req)
         key = CacheKey.for_request(req, page_size=self.page_size,
                                    algo=self.config.cache.hash_algo)
@@ -139,7 +154,7 @@ class LocalEngine(Decoding):
         return self.cache.prefix_of(match, good), refused
 
     def _prefill_locked(self, req: Req, key: CacheKey, match: MatchResult, usable: int,
-                        seed: bytes, refused: int, l3_pages: int | None) -> PrefillOutput:
+                        seed: bytes, refused: int, l3_pages: int | None) -> Answered:
         wanted = key.names[match.num_pages:usable]
         stored = self._match_storage(req, wanted, key.names[:match.num_pages], l3_pages)
         check_pages(stored.pages, self.layout, field="_match_storage: pages")
@@ -167,21 +182,23 @@ class LocalEngine(Decoding):
         inserted = self.cache.insert(key, pages, seed, {**known, **kept})
         if req.pin_ttl_s:
             self.cache.pin(inserted.node, req.pin_ttl_s, req.tenant)
+        backup: Callable[[], None] = _nothing
         if self.controller is not None:
             # NOTE: writes skip what L3 holds: what it supplied, and what the index says it
             # holds past that (unless the read found the index stale).
             held = done if l3_pages is None or stored.stale else max(done, l3_pages)
-            self.controller.write_through(req, key, held, pages, kept)
+            backup = functools.partial(self.controller.write_through, req, key, held, pages,
+                                       kept)
             l3_pages = self.controller.held_after(key.names, local, l3_pages, stored.stale)
         logits = out.logits[-1]
         cached = {Tier.DEVICE.value: match.count(Tier.DEVICE) * self.page_size,
                   Tier.HOST.value: match.count(Tier.HOST) * self.page_size,
                   Tier.STORAGE.value: stored.pages.shape[0] * self.page_size}
         state = None if out.state is None else PromptState(out.state, {**known, **kept})
-        return PrefillOutput(req.rid, sample(logits, req.sampling, 0), pages,
-                             len(req.input_ids), key.names, cached, logits, seed,
-                             refused + stored.cross_namespace, state,
-                             None if self.controller is None else l3_pages)
+        return Answered(PrefillOutput(req.rid, sample(logits, req.sampling, 0), pages,
+                                      len(req.input_ids), key.names, cached, logits, seed,
+                                      refused + stored.cross_namespace, state,
+                                      None if self.controller is None else l3_pages), backup)
 
     def _state_at(self, done: int, num_pages: int) -> list[int]:
         """Counts of new tokens after which a hybrid prefill keeps the state: the ends of

@@ -1,10 +1,12 @@
 """What the engine hands out: a prefill's output (``PrefillOutput``, with a hybrid
-prompt's recurrent state, ``PromptState``), a finished request (``Result``) and a request
-being decoded (``DecodeSeq``)."""
+prompt's recurrent state, ``PromptState``; a prefill worker's, ``PrefillResult``;
+``Answered``: either, with what follows it), a finished request (``Result``) and a
+request being decoded (``DecodeSeq``)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -12,8 +14,11 @@ import torch
 
 from pd_cache.core.config import KVLayout
 from pd_cache.core.request import Req
+from pd_cache.core.wire import PrefillInfo
 from pd_cache.kv.state import check_states
 from pd_cache.tiering.offload import OffloadState
+
+log = logging.getLogger(__name__)
 
 
 class PromptState(NamedTuple):
@@ -66,6 +71,24 @@ class PrefillOutput(NamedTuple):
     l3_pages: int | None = None
 
 
+class PrefillResult(NamedTuple):
+    """A prefill worker's answer: what decode needs (``kv_pages`` after the pages it kept;
+    ``states``: a hybrid prompt's, ``None`` when plain)."""
+
+    info: PrefillInfo
+    kv_pages: torch.Tensor
+    states: torch.Tensor | None = None
+
+
+class Answered(NamedTuple):
+    """A prefill's answer (``output``: a ``PrefillOutput``, or a worker's ``PrefillResult``)
+    and the work that may follow it (``after``: the L3 write-through, then a worker's
+    metrics), which the caller runs once the answer is on its way."""
+
+    output: Any
+    after: Callable[[], None]
+
+
 class Result(NamedTuple):
     """A finished request: generated tokens, cached prompt tokens by tier, first logits."""
 
@@ -100,3 +123,17 @@ class DecodeSeq:
     def done(self) -> bool:
         """``max_new_tokens`` drawn, or the last one drawn is a stop token."""
         return self.req.answered_by(self.tokens)
+
+
+def pages_in(n: Any, full: int) -> bool:
+    """Whether ``n`` is a page count of a prompt of ``full`` full pages."""
+    return isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= full
+
+
+def answered_kept(kept: Any, full: int, rid: str) -> int:
+    """Decode's answer to a reservation, 0 if it is not a page count of this prompt."""
+    if pages_in(kept, full):
+        return int(kept)
+    log.error("request %s: decode reserved %r pages of a %d-page prompt; a full handoff",
+              rid, kept, full)
+    return 0

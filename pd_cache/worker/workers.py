@@ -5,6 +5,8 @@ between them is typed: ``PrefillInfo`` (small, msgspec) travels next to the prom
 pages (one tensor, handed over as an ObjectRef), and ``DecodeInfo`` comes back::
 
     PrefillWorker.prefill(req)  -> PrefillResult(info: PrefillInfo, kv_pages, states)
+    PrefillWorker.prefill_first(req) -> Answered(PrefillResult, after): the L3 write and
+                                the metrics left for after the answer
     DecodeWorker.decode(req, info, kv_pages, handoff_s, states) -> DecodeInfo
 
 (``states``: a hybrid prompt's recurrent state, ``PromptState.pack``; ``None`` when plain.)
@@ -20,13 +22,14 @@ it (``PrefillInfo.page_names``): decode's offload writes the prompt's pages unde
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -39,15 +42,15 @@ from pd_cache.metrics import PDCacheMetrics
 from pd_cache.worker.batching import DecodeBatcher
 from pd_cache.worker.decode_cache import DecodeCache, Joined
 from pd_cache.worker.engine import LocalEngine
-from pd_cache.worker.outputs import PromptState
+from pd_cache.worker.outputs import (
+    Answered,
+    PrefillResult,
+    PromptState,
+    answered_kept,
+    pages_in,
+)
 
 log = logging.getLogger(__name__)
-
-
-class PrefillResult(NamedTuple):
-    info: PrefillInfo
-    kv_pages: torch.Tensor
-    states: torch.Tensor | None = None
 
 
 class _Worker:
@@ -135,7 +138,17 @@ class PrefillWorker(_Worker):
 
     def prefill(self, req: Req, kept_pages: int | Callable[[], int] = 0,
                 l3_pages: int | None = None) -> PrefillResult:
-        """Raises ``ValueError`` for a request the model cannot serve (nothing is cached),
+        """``prefill_first``'s answer, what follows it done."""
+        result, after = self.prefill_first(req, kept_pages, l3_pages)
+        after()
+        return result
+
+    def prefill_first(self, req: Req, kept_pages: int | Callable[[], int] = 0,
+                      l3_pages: int | None = None) -> Answered:
+        """The ``PrefillResult``, and what may follow once it is on its way (``after``: the
+        L3 write-through, then the metrics).
+
+        Raises ``ValueError`` for a request the model cannot serve (nothing is cached),
         ``DeadlineExceeded`` for one past its deadline (nothing is computed).
 
         ``kept_pages``: the prompt's leading pages the decode worker holds (reserved
@@ -145,24 +158,29 @@ class PrefillWorker(_Worker):
         L3 holds, as a page index says (read with no ``exists``; ``None``: no index)."""
         req.check_deadline("prefill")
         full = len(req.input_ids) // self.page_size
-        if not callable(kept_pages) and not _pages_in(kept_pages, full):
+        if not callable(kept_pages) and not pages_in(kept_pages, full):
             raise ValueError(f"kept_pages: expected an int in [0, {full}], got {kept_pages!r}")
         if l3_pages is not None and (isinstance(l3_pages, bool) or not isinstance(l3_pages, int)
                                      or l3_pages < 0):
             raise ValueError(f"l3_pages: expected an int >= 0 or None, got {l3_pages!r}")
         start = time.perf_counter()
-        out = self.engine.prefill(req, l3_pages)
+        out, backup = self.engine.prefill_first(req, l3_pages)
         seconds = time.perf_counter() - start
         if callable(kept_pages):
-            kept_pages = _answered(kept_pages(), full, req.rid)
+            kept_pages = answered_kept(kept_pages(), full, req.rid)
         cached = {tier: int(out.cached_tokens.get(tier, 0)) for tier in TIERS}
         states, state_pages = out.state.pack() if out.state is not None else (None, ())
         info = PrefillInfo(req.rid, self.worker_id, out.first_token, out.num_prompt_tokens,
                            self.page_size, tuple(out.page_names), cached, out.seed,
                            out.cross_namespace_pages, seconds, state_pages, kept_pages,
                            out.l3_pages)
+        return Answered(PrefillResult(info, out.kv_pages[kept_pages:], states),
+                        functools.partial(self._after, req, info, backup))
+
+    def _after(self, req: Req, info: PrefillInfo, backup: Callable[[], None]) -> None:
+        """The prompt's L3 write-through issued, the request's metrics recorded."""
+        backup()
         self._record(req, info)
-        return PrefillResult(info, out.kv_pages[kept_pages:], states)
 
     def _record(self, req: Req, info: PrefillInfo) -> None:
         if self.metrics is None:
@@ -330,16 +348,3 @@ class DecodeWorker(_Worker):
             m.count_kept(kept.kept, kept.kept * self.engine.layout.page_nbytes, kept.by_tier)
         m.observe_e2e(info.compute_s + result.handoff_s + result.decode_s)
         self._set_pools()
-
-
-def _pages_in(n: Any, full: int) -> bool:
-    return isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= full
-
-
-def _answered(kept: Any, full: int, rid: str) -> int:
-    """Decode's answer to a reservation, 0 if it is not a page count of this prompt."""
-    if _pages_in(kept, full):
-        return int(kept)
-    log.error("request %s: decode reserved %r pages of a %d-page prompt; a full handoff",
-              rid, kept, full)
-    return 0

@@ -12,11 +12,12 @@ import torch
 
 from pd_cache.core.hashing import page_hashes
 from pd_cache.core.request import Req
+from pd_cache.kv import CacheKey
 from pd_cache.metrics import PDCacheMetrics
 from pd_cache.model.model import Model, reference_generate
 from pd_cache.storage import make_backend
 from pd_cache.worker.workers import DecodeWorker, PrefillWorker
-from tests.unit.tiering.fakes import PS, SMALL, prompt
+from tests.unit.tiering.fakes import PS, SMALL, Wrapper, prompt
 
 
 @pytest.fixture(scope="module")
@@ -141,3 +142,39 @@ def test_concurrent_decodes_share_batches_and_fail_alone(model: Model) -> None:
     assert not d.batcher._thread.is_alive()
     with pytest.raises(RuntimeError, match="closed"):
         d.batcher.submit(reqs[0], handoffs[0].kv_pages, 6, handoffs[0].info.first_token)
+
+
+def sets(store: Wrapper) -> list[list[bytes]]:
+    """The keys of each L3 write ``store`` saw."""
+    return [keys for op, keys, *_ in store.calls if op == "set"]
+
+
+def test_the_answer_comes_before_the_l3_write_and_the_metrics(model: Model) -> None:
+    """``prefill_first`` answers with the prompt cached and nothing sent to L3 or counted
+    yet; ``after`` writes the same pages and counts the same figures ``prefill`` does."""
+    req = Req(rid="r", input_ids=prompt(3, 23), max_new_tokens=5)
+    runs = {}
+    for way in ("first", "whole"):
+        store = Wrapper(make_backend(SMALL.storage, SMALL.layout))
+        metrics = PDCacheMetrics("prometheus")
+        p = PrefillWorker(SMALL, storage=store, metrics=metrics)
+        prompt_tokens = "pd_cache_tokens_total", {"role": "prefill", "token_kind": "prompt"}
+        if way == "first":
+            (info, pages, _), after = p.prefill_first(req)
+            assert p.flush(10) and sets(store) == []             # no write issued yet
+            assert metrics.registry.get_sample_value(*prompt_tokens) is None
+            key = CacheKey.for_request(req, page_size=PS, algo=SMALL.cache.hash_algo)
+            assert p.engine.cache.match_prefix(key).num_pages == 23 // PS   # cached already
+            after()
+        else:
+            info, pages, _ = p.prefill(req)
+        assert p.flush(10)
+        runs[way] = (info.first_token, pages, sets(store),
+                     metrics.registry.get_sample_value(*prompt_tokens))
+        assert p.state().locks == 0
+    first, whole = runs["first"], runs["whole"]
+    assert first[0] == whole[0] == reference_generate(model, req).output_ids[0]
+    assert torch.equal(first[1], whole[1])
+    assert first[2] == whole[2]
+    assert [k for keys in first[2] for k in keys] == page_hashes(req.input_ids, PS)
+    assert first[3] == whole[3] == 23
