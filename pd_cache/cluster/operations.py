@@ -45,13 +45,14 @@ class ClusterOperations(ClusterKeys):
 
     def storage_client(self, timeout_s: float | None = None) -> Any:
         """A client over this cluster's tier actors (``None`` without L3)."""
-        from pd_cache.storage.client import StorageClient
+        from pd_cache.storage.replicas import sharded_client
 
         if not self.storage:
             return None
-        return StorageClient(self.storage, algo=self.pd.cache.hash_algo,
-                             timeout_s=timeout_s or self.config.storage_timeout_s,
-                             segment_pages=self.pd.storage.segment_pages)
+        return sharded_client(self.storage, self.pd.storage.replicas,
+                              algo=self.pd.cache.hash_algo,
+                              timeout_s=timeout_s or self.config.storage_timeout_s,
+                              segment_pages=self.pd.storage.segment_pages)
 
     def pins(self, tenant: str) -> TenantPins:
         """``tenant``'s pinned pages on every worker and L3 shard (shards know it by its

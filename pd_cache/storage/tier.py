@@ -138,6 +138,12 @@ class StorageTier:
         return compute_prefix_hash(req, req.input_ids, page_size=self.backend.layout.page_size,
                                    algo=self.backend.algo)
 
+    def node(self) -> str:
+        """The Ray node this shard runs on (where its replicas are placed from)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     def ping(self) -> int:
         """The hosting process id (changes when the actor restarts)."""
         return os.getpid()

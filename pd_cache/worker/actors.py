@@ -48,12 +48,13 @@ def _storage_client(handles: Sequence[Any], config: PDCacheConfig,
     ``None``: a random one, which no other worker shares)."""
     if not handles or not config.storage.enabled:
         return None
-    from pd_cache.storage.client import StorageClient
+    from pd_cache.storage.replicas import sharded_client
     from pd_cache.storage.seal import SCRATCH_BYTES, SealedStorage, Sealer
     from pd_cache.storage.tier import resolve
 
-    client = StorageClient(resolve(handles), algo=config.cache.hash_algo, timeout_s=timeout_s,
-                           metrics=metrics, segment_pages=config.storage.segment_pages)
+    client = sharded_client(resolve(handles), config.storage.replicas,
+                            algo=config.cache.hash_algo, timeout_s=timeout_s, metrics=metrics,
+                            segment_pages=config.storage.segment_pages)
     sealer = Sealer(keyring or Keyring.random(), enabled=config.storage.seal)
     return SealedStorage(client, sealer, metrics, scratch_bytes=SCRATCH_BYTES)
 

@@ -1,0 +1,77 @@
+"""Pure pieces of the replicated client (``storage.replicas``): which parts of a batch to
+ask the next replica for, and how the replicas' answers merge.
+
+A part is one pool's run of keys that one replica is asked for (a read that missed) or
+given (a repair). With a chain (``prefix_keys`` set) a part is a run of consecutive keys,
+sent with the chain's names before it, so that it is placed as the whole batch was::
+
+    op keys    k0 k1 k2 k3 k4 k5          missed on replica 0: k2 k3 k5
+    parts      (kv, [2, 3]) (kv, [5])     prefix_keys + [k0 k1], prefix_keys + [k0 .. k4]
+
+Without a chain each page is placed by its own name: a part is every such key of a pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import msgspec
+
+from pd_cache.storage.base import ExtraInfo, PoolHits, PoolTransfer, pool_start
+
+
+class Part(NamedTuple):
+    """Pool ``pool`` (index ``j`` in the call), its keys at ``positions``."""
+
+    j: int
+    pool: str
+    positions: list[int]
+
+
+def runs(positions: Sequence[int]) -> list[list[int]]:
+    """``positions`` (ascending) cut into runs of consecutive ones."""
+    out: list[list[int]] = []
+    for p in positions:
+        if out and out[-1][-1] == p - 1:
+            out[-1].append(p)
+        else:
+            out.append([p])
+    return out
+
+
+def parts(transfers: Sequence[PoolTransfer], wanted: Sequence[Sequence[bool]],
+          chained: bool) -> list[Part]:
+    """The parts that cover every key marked in ``wanted[j]`` (per transfer, per key)."""
+    out = []
+    for j, (t, marks) in enumerate(zip(transfers, wanted)):
+        positions = [i for i, w in enumerate(marks) if w]
+        for run in runs(positions) if chained else ([positions] if positions else []):
+            out.append(Part(j, t.pool, run))
+    return out
+
+
+def part_call(transfers: Sequence[PoolTransfer], part: Part, info: ExtraInfo | None,
+              pages: Sequence[Any] | None = None) -> tuple[list[PoolTransfer], ExtraInfo | None]:
+    """The one-pool call that asks for (or, with ``pages``, stores) ``part``: its keys and,
+    with a chain, the names before them as its ``prefix_keys``."""
+    t = transfers[part.j]
+    keys = [t.keys[i] for i in part.positions]
+    sent = None if pages is None else [pages[i] for i in part.positions]
+    if info is None or info.prefix_keys is None:
+        return [PoolTransfer(t.pool, keys, sent)], info
+    op = max((x.keys for x in transfers), key=len)
+    before = (pool_start(op, t.keys) or 0) + part.positions[0]
+    prefix = [*info.prefix_keys, *op[:before]]
+    return [PoolTransfer(t.pool, keys, sent)], msgspec.structs.replace(info, prefix_keys=prefix)
+
+
+def best_hits(answers: Sequence[PoolHits]) -> PoolHits:
+    """What the replicas hold together, as far as their answers say: the longest usable
+    prefix one of them holds (each holds whole segments, so the best one is a bound)."""
+    return max(answers, key=lambda h: h.usable)
+
+
+def missing(got: Sequence[PoolTransfer]) -> list[list[bool]]:
+    """Per pool, which keys a get answered without a page."""
+    return [[p is None for p in (t.pages or [None] * len(t.keys))] for t in got]

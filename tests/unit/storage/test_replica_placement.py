@@ -1,0 +1,71 @@
+"""Replica sets (``storage.replicas`` > 1): which shards hold a segment, and the parts of a
+batch a later replica is asked for or repaired with."""
+
+from __future__ import annotations
+
+from pd_cache.core.hashing import page_hashes
+from pd_cache.storage.base import ExtraInfo, PoolHits, PoolTransfer
+from pd_cache.storage.placement import chain_replicas, chain_shards, replica_set, rendezvous
+from pd_cache.storage.replica_parts import Part, best_hits, part_call, parts, runs
+from pd_cache.storage.replicas import RankClient
+
+
+def names(n: int, salt: int = 0) -> list[bytes]:
+    return page_hashes([salt * 100_000 + i for i in range(4 * n)], 4)
+
+
+def test_the_first_replica_is_the_single_copy_shard_and_the_set_has_distinct_shards() -> None:
+    sets = [replica_set(k, 5, 3) for k in names(200)]
+    assert [s[0] for s in sets] == [rendezvous(k, 5) for k in names(200)]
+    assert all(len(set(s)) == 3 for s in sets)
+    assert {s[1] for s in sets} == set(range(5))   # the second copies spread too
+    chain = names(10)
+    whole = chain_replicas(chain, [], 4, 4, 2)
+    assert [s[0] for s in whole] == chain_shards(chain, [], 4, 4)
+    for lo in range(10):   # any run of the chain finds the sets its writer chose
+        assert chain_replicas(chain[lo:], chain[:lo], 4, 4, 2) == whole[lo:]
+
+
+def test_replicas_go_to_distinct_nodes_before_a_second_shard_of_one_node() -> None:
+    nodes = ["a", "a", "a", "b"]   # three shards on node a, one on b
+    for k in names(100):
+        s = replica_set(k, 4, 2, nodes)
+        assert {nodes[s[0]], nodes[s[1]]} == {"a", "b"}
+        assert s[0] == rendezvous(k, 4)
+        assert len(set(replica_set(k, 4, 3, nodes))) == 3   # more copies than nodes: filled
+    assert replica_set(names(1)[0], 4, 2, ["n"] * 4) == replica_set(names(1)[0], 4, 2)
+
+
+def test_a_rank_client_places_each_page_on_its_rank_of_the_set() -> None:
+    chain, nodes = names(9), ["a", "b", "a", "b"]
+    ranks = [RankClient([None] * 4, rank=r, replicas=2, nodes=nodes, segment_pages=4)
+             for r in range(2)]
+    sets = chain_replicas(chain, [], 4, 4, 2, nodes)
+    for r, client in enumerate(ranks):
+        assert client.shards_of(chain, []) == [s[r] for s in sets]
+        assert client.shard_of(chain[0]) == replica_set(chain[0], 4, 2, nodes)[r]
+
+
+def test_parts_are_runs_placed_by_the_names_before_them() -> None:
+    assert runs([1, 2, 3, 5, 7, 8]) == [[1, 2, 3], [5], [7, 8]]
+    chain = names(6)
+    got = [PoolTransfer("kv", chain), PoolTransfer("state", chain[4:])]
+    want = [[False, False, True, True, False, True], [True, False]]
+    asked = parts(got, want, chained=True)
+    assert asked == [Part(0, "kv", [2, 3]), Part(0, "kv", [5]), Part(1, "state", [0])]
+    info = ExtraInfo(prefix_keys=["ab" * 16], request_id="r")
+    call, sub = part_call(got, asked[0], info)
+    assert call == [PoolTransfer("kv", chain[2:4])]
+    assert list(sub.prefix_keys) == ["ab" * 16, *chain[:2]] and sub.request_id == "r"
+    call, sub = part_call(got, asked[2], info, pages=["p4", "p5"])
+    assert call == [PoolTransfer("state", chain[4:5], ["p4"])]   # placed at position 4
+    assert list(sub.prefix_keys) == ["ab" * 16, *chain[:4]]
+    # without a chain every page is placed by its own name: one part per pool
+    assert parts(got, want, chained=False) == [Part(0, "kv", [2, 3, 5]), Part(1, "state", [0])]
+    assert part_call(got, Part(0, "kv", [2, 5]), None) == ([PoolTransfer("kv", [chain[2],
+                                                                                chain[5]])], None)
+
+
+def test_exists_answers_merge_to_the_longest_usable_prefix() -> None:
+    dead, full = PoolHits({"kv": 0}, 0), PoolHits({"kv": 6}, 6)
+    assert best_hits([dead, full]) == full and best_hits([full, dead]) == full
