@@ -146,13 +146,19 @@ class ReplicatedClient(SubmittedBackend):
             acks = pending.result()
             stored = {k for ks, a in zip(keys, acks) for k, ok in zip(ks, a) if ok}
             lost = {k for ks, a in zip(keys, acks) for k, ok in zip(ks, a) if not ok}
-            self._counts.count("repaired" if repair else "follower_stored", n=len(stored))
-            if not repair:
+            if repair:
+                self.repaired(len(stored))
+            else:
+                self._counts.count("follower_stored", n=len(stored))
                 self._counts.count("follower_refused", n=len(lost))
-            if repair and self.metrics is not None and stored:
-                self.metrics.count_repairs(len(stored))
             self._mark(add=lost - stored if not repair else set(), drop=stored if repair
                        else set())
+
+    def repaired(self, n: int) -> None:
+        """Count ``n`` pages written back to a replica that lacked them."""
+        self._counts.count("repaired", n=n)
+        if self.metrics is not None and n:
+            self.metrics.count_repairs(n)
 
     def _mark(self, add: set[bytes], drop: set[bytes]) -> None:
         with self._lock:

@@ -138,6 +138,12 @@ class StorageTier:
         return compute_prefix_hash(req, req.input_ids, page_size=self.backend.layout.page_size,
                                    algo=self.backend.algo)
 
+    def links(self) -> list[tuple[bytes, bytes]]:
+        """``(name, prior)`` of every ``kv`` record held here (what ``rebuild_storage``
+        finds the chains from)."""
+        links = getattr(self.backend, "links", None)
+        return [] if links is None else links()
+
     def node(self) -> str:
         """The Ray node this shard runs on (where its replicas are placed from)."""
         import ray

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pd_cache.core.hashing import page_hashes
 from pd_cache.storage.base import ExtraInfo, PoolHits, PoolTransfer
-from pd_cache.storage.placement import chain_replicas, chain_shards, replica_set, rendezvous
+from pd_cache.storage.placement import chain_replicas, chain_shards, rendezvous, replica_set
+from pd_cache.storage.rebuild import chains
 from pd_cache.storage.replica_parts import Part, best_hits, part_call, parts, runs
 from pd_cache.storage.replicas import RankClient
 
@@ -69,3 +70,11 @@ def test_parts_are_runs_placed_by_the_names_before_them() -> None:
 def test_exists_answers_merge_to_the_longest_usable_prefix() -> None:
     dead, full = PoolHits({"kv": 0}, 0), PoolHits({"kv": 6}, 6)
     assert best_hits([dead, full]) == full and best_hits([full, dead]) == full
+
+
+def test_the_shards_links_make_one_chain_per_branch_from_its_head() -> None:
+    seed, (a, b, c, d, e) = b"s" * 16, names(5)
+    links = [(c, b), (a, seed), (b, a), (d, b), (e, d)]
+    assert sorted(chains(links)) == sorted([(seed, [a, b, c]), (seed, [a, b, d, e])])
+    assert chains([(d, b), (e, d)]) == [(b, [d, e])]   # a lost head: placed from d
+    assert chains([(a, b), (b, a)]) == []   # a cycle holds no head
