@@ -42,6 +42,8 @@ from pd_cache.storage.replica_parts import Part, best_hits, missing, part_call, 
 
 log = logging.getLogger(__name__)
 
+MAX_TRAILING = 256   # follower writes and repairs in flight before the oldest are waited for
+
 
 class RankClient(StorageClient):
     """A ``StorageClient`` that places each page on the ``rank``-th shard of its set."""
@@ -140,8 +142,13 @@ class ReplicatedClient(SubmittedBackend):
     def settle(self, wait: bool = False) -> None:
         """Collect the follower writes and repairs that finished (all of them: ``wait``)."""
         with self._lock:
-            todo = [t for t in self._trailing if wait or t[0].done()]
-            self._trailing = [t for t in self._trailing if not (wait or t[0].done())]
+            # NOTE: past MAX_TRAILING writes in flight (a shard that hangs), the oldest are
+            # waited for (each at most the client's timeout): the list stays bounded.
+            over = len(self._trailing) - MAX_TRAILING
+            todo, left = [], []
+            for at, t in enumerate(self._trailing):
+                (todo if wait or at < over or t[0].done() else left).append(t)
+            self._trailing = left
         for pending, keys, repair in todo:
             acks = pending.result()
             stored = {k for ks, a in zip(keys, acks) for k, ok in zip(ks, a) if ok}
