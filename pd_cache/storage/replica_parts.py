@@ -19,6 +19,8 @@ from typing import Any, NamedTuple
 import msgspec
 
 from pd_cache.storage.base import ExtraInfo, PoolHits, PoolTransfer, pool_start
+from pd_cache.storage.batch import Batch, usable_hits
+from pd_cache.storage.record import CHECKPOINT_POOLS
 
 
 class Part(NamedTuple):
@@ -66,10 +68,32 @@ def part_call(transfers: Sequence[PoolTransfer], part: Part, info: ExtraInfo | N
     return [PoolTransfer(t.pool, keys, sent)], msgspec.structs.replace(info, prefix_keys=prefix)
 
 
-def best_hits(answers: Sequence[PoolHits]) -> PoolHits:
-    """What the replicas hold together, as far as their answers say: the longest usable
-    prefix one of them holds (each holds whole segments, so the best one is a bound)."""
-    return max(answers, key=lambda h: h.usable)
+def presence(batches: Sequence[Batch], plan: dict[int, list[tuple[int, list[int]]]],
+             answers: dict[int, PoolHits]) -> list[list[bool]]:
+    """Per pool of an ``exists``, which keys the shards that answered hold: a shard's hits
+    are the first of its keys; a checkpoint pool's are marked key by key."""
+    marks = [[False] * len(b.keys) for b in batches]
+    for s, shard_parts in plan.items():
+        if s not in answers:
+            continue
+        for j, pos in shard_parts:
+            pool = batches[j].pool
+            stored = (answers[s].checkpoints or {}).get(pool)
+            if stored is None:
+                stored = [True] * answers[s].per_pool.get(pool, 0)
+            for i, ok in zip(pos, stored):
+                marks[j][i] = ok
+    return marks
+
+
+def joined_hits(batches: Sequence[Batch], each: Sequence[list[list[bool]]]) -> PoolHits:
+    """The hits of every replica's ``presence`` together: a key is held if one holds it."""
+    marks = [[any(m[j][i] for m in each) for i in range(len(b.keys))]
+             for j, b in enumerate(batches)]
+    per_pool = {b.pool: next((i for i, ok in enumerate(m) if not ok), len(m))
+                for b, m in zip(batches, marks)}
+    return usable_hits(batches, per_pool,
+                       {b.pool: m for b, m in zip(batches, marks) if b.pool in CHECKPOINT_POOLS})
 
 
 def missing(got: Sequence[PoolTransfer]) -> list[list[bool]]:

@@ -7,7 +7,7 @@ is a plain ``StorageClient`` (the shard calls and their faults are its own)::
 
     set     every rank at once; acknowledged per page as soon as one rank stored it, the
             others followed up later (counted; a copy that failed is under-replicated)
-    exists  every rank at once; the longest usable prefix one of them holds
+    exists  every rank at once; a page is held if one rank holds it
     get     rank 0; what it missed (or failed to verify) from rank 1, and so on; a page a
             later rank served is written back to the earlier ranks that lacked it, in the
             background (a repair)
@@ -35,10 +35,17 @@ from pd_cache.storage.base import (
     SubmittedBackend,
     Usage,
 )
-from pd_cache.storage.batch import normalize_keys
+from pd_cache.storage.batch import check_batch, normalize_keys
 from pd_cache.storage.client import StorageClient
 from pd_cache.storage.placement import chain_replicas, replica_set
-from pd_cache.storage.replica_parts import Part, best_hits, missing, part_call, parts
+from pd_cache.storage.replica_parts import (
+    Part,
+    joined_hits,
+    missing,
+    part_call,
+    parts,
+    presence,
+)
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +102,9 @@ class ReplicatedClient(SubmittedBackend):
     def submit_exists_v2(self, transfers: Sequence[PoolTransfer],
                          extra_info: ExtraInfo | None = None) -> Pending[PoolHits]:
         self.settle()
-        return _All([r.submit_exists_v2(transfers, extra_info) for r in self.ranks],
-                    best_hits)
+        batches = check_batch(transfers, extra_info, self.algo, with_pages=False)
+        return _All([r._exists(transfers, extra_info, presence) for r in self.ranks],
+                    lambda each: joined_hits(batches, each))
 
     def submit_get_v2(self, transfers: Sequence[PoolTransfer],
                       extra_info: ExtraInfo | None = None) -> Pending[list[PoolTransfer]]:
@@ -110,7 +118,7 @@ class ReplicatedClient(SubmittedBackend):
         calls = [r.submit_set_v2(transfers, extra_info) for r in self.ranks]
         keys = [normalize_keys(t.keys, self.algo) for t in transfers]
         with self._lock:
-            self._trailing += [(c, keys, False) for c in calls[1:]]
+            self._trailing += [(c, keys, False) for c in calls]
         return _FirstAck(calls)
 
     def discard_v2(self, pool: str, keys: Sequence[bytes | str]) -> int:
@@ -131,8 +139,8 @@ class ReplicatedClient(SubmittedBackend):
 
     # -- replicas ---------------------------------------------------------------------------
     def counts(self) -> dict[str, int]:
-        """Follower writes stored and refused, repairs sent and stored, and the pages this
-        client knows to lack a copy (``under_replicated``)."""
+        """Copies written (``copies_stored``, ``copies_refused``), repairs sent and stored,
+        and the pages this client knows to lack a copy (``under_replicated``)."""
         self.settle()
         out = {k.partition("/")[0]: n for k, n in self._counts.snapshot().items()}
         with self._lock:
@@ -140,7 +148,8 @@ class ReplicatedClient(SubmittedBackend):
         return out
 
     def settle(self, wait: bool = False) -> None:
-        """Collect the follower writes and repairs that finished (all of them: ``wait``)."""
+        """Collect the writes of copies and repairs that finished (all of them: ``wait``); a
+        copy refused (or on a shard that failed) makes its page under-replicated."""
         with self._lock:
             # NOTE: past MAX_TRAILING writes in flight (a shard that hangs), the oldest are
             # waited for (each at most the client's timeout): the list stays bounded.
@@ -156,8 +165,8 @@ class ReplicatedClient(SubmittedBackend):
             if repair:
                 self.repaired(len(stored))
             else:
-                self._counts.count("follower_stored", n=len(stored))
-                self._counts.count("follower_refused", n=len(lost))
+                self._counts.count("copies_stored", n=len(stored))
+                self._counts.count("copies_refused", n=len(lost))
             self._mark(add=lost - stored if not repair else set(), drop=stored if repair
                        else set())
 
@@ -277,8 +286,8 @@ class _ReadOn(Pending[list[PoolTransfer]]):
 
 class _FirstAck(Pending[list[list[bool]]]):
     """A set on every rank: a page is acknowledged once one rank stored it. Rank 0's answer
-    is waited for; the others only where it refused a page (the client collects them
-    later: ``ReplicatedClient.settle``)."""
+    is waited for, the others only where it refused a page (the client collects every
+    rank's answer later: ``ReplicatedClient.settle``)."""
 
     def __init__(self, calls: list[Pending[list[list[bool]]]]) -> None:
         self._calls = calls

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from pd_cache.core.hashing import page_hashes
 from pd_cache.storage.base import ExtraInfo, PoolHits, PoolTransfer
+from pd_cache.storage.batch import check_batch
 from pd_cache.storage.placement import chain_replicas, chain_shards, rendezvous, replica_set
 from pd_cache.storage.rebuild import chains
-from pd_cache.storage.replica_parts import Part, best_hits, part_call, parts, runs
+from pd_cache.storage.replica_parts import Part, joined_hits, part_call, parts, presence, runs
 from pd_cache.storage.replicas import RankClient
 
 
@@ -67,9 +68,25 @@ def test_parts_are_runs_placed_by_the_names_before_them() -> None:
                                                                                 chain[5]])], None)
 
 
-def test_exists_answers_merge_to_the_longest_usable_prefix() -> None:
-    dead, full = PoolHits({"kv": 0}, 0), PoolHits({"kv": 6}, 6)
-    assert best_hits([dead, full]) == full and best_hits([full, dead]) == full
+def test_exists_answers_join_key_by_key_over_the_replicas() -> None:
+    chain = names(6)
+    ask = [PoolTransfer("kv", chain), PoolTransfer("state", chain[4:])]
+    batches = check_batch(ask, ExtraInfo(prefix_keys=[]), "xxh3_128", with_pages=False)
+    # replica 0: shard 0 has pages 0..3 of its 0..3, shard 1 none of its 4, 5 (restarted)
+    plan = {0: [(0, [0, 1, 2, 3])], 1: [(0, [4, 5]), (1, [0, 1])]}
+    first = presence(batches, plan, {0: PoolHits({"kv": 4}, 4),
+                                     1: PoolHits({"kv": 0, "state": 0}, 0,
+                                                 {"state": [False, False]})})
+    assert first == [[True] * 4 + [False] * 2, [False, False]]
+    # replica 1: page 0..3 on a shard that lost them, 4, 5 and their states held
+    plan = {2: [(0, [0, 1, 2, 3])], 0: [(0, [4, 5]), (1, [0, 1])]}
+    second = presence(batches, plan, {0: PoolHits({"kv": 2, "state": 2}, 2,
+                                                  {"state": [True, True]})})
+    assert second == [[False] * 4 + [True] * 2, [True, True]]
+    assert joined_hits(batches, [first]).usable == 0   # neither alone holds a usable prefix
+    assert joined_hits(batches, [second]).usable == 0
+    assert joined_hits(batches, [first, second]) == PoolHits(
+        {"kv": 6, "state": 2}, 6, {"state": [True, True]})
 
 
 def test_the_shards_links_make_one_chain_per_branch_from_its_head() -> None:
