@@ -6,9 +6,9 @@ here. The shards' ``kv`` records name their priors, so their union is a forest o
     links   (n0, seed) (n1, n0) (n2, n1) (n3, n1)      chains   n0 n1 n2
                                                                 n0 n1 n3
 
-Each chain is asked of every rank (an ``exists``); a rank that holds a shorter prefix than
-the best one gets the missing run, read from the best rank (verified as any read) and
-stored as is (the same sealed records). ``bytes_per_s`` caps the copy rate. A page whose
+Each chain is asked of every rank (an ``exists``, key by key); the keys a rank lacks and
+another holds are read from that one (verified as any read) and stored on it as they are
+(the same sealed records). ``bytes_per_s`` caps the copy rate. A page whose
 chain lost its head everywhere is placed as if it started there (a wasted copy at worst).
 A sidecar pool (a hybrid model's ``state``) is left to the reads' repair.
 """
@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 
 from pd_cache.storage.base import ExtraInfo, PoolTransfer
 from pd_cache.storage.record import KV_POOL
+from pd_cache.storage.replica_parts import presence
 
 
 class Rebuilt(NamedTuple):
@@ -56,16 +57,29 @@ def rebuild(client: Any, bytes_per_s: float) -> Rebuilt:
     for seed, names in found:
         info = ExtraInfo(prefix_keys=[], namespace_seed=seed)
         ask = [PoolTransfer(KV_POOL, names)]
-        held = [r.submit_exists_v2(ask, info) for r in client.ranks]
-        held = [h.result().per_pool.get(KV_POOL, 0) for h in held]
-        best = max(range(len(held)), key=held.__getitem__)
-        for rank, n in enumerate(held):
-            if n < held[best]:
-                copied = _copy(client, best, rank, names, n, held[best], seed)
+        marks = [m[0] for m in [r._exists(ask, info, presence).result() for r in client.ranks]]
+        for dst in range(len(marks)):
+            for src, run in copies(marks, dst):
+                copied = _copy(client, src, dst, names, run[0], run[-1] + 1, seed)
                 pages, sent = pages + copied[0], sent + copied[1]
                 _pace(start, sent, bytes_per_s)
     client.settle(wait=True)
     return Rebuilt(len(found), pages, sent)
+
+
+def copies(marks: list[list[bool]], dst: int) -> list[tuple[int, list[int]]]:
+    """The runs of keys rank ``dst`` lacks and another holds (``marks[rank][key]``), each
+    with the first rank that holds it: ``(source, positions)``."""
+    out: list[tuple[int, list[int]]] = []
+    for i, held in enumerate(marks[dst]):
+        src = None if held else next((q for q, m in enumerate(marks) if m[i]), None)
+        if src is None:
+            continue
+        if out and out[-1][0] == src and out[-1][1][-1] == i - 1:
+            out[-1][1].append(i)
+        else:
+            out.append((src, [i]))
+    return out
 
 
 def _copy(client: Any, src: int, dst: int, names: list[bytes], lo: int, hi: int,

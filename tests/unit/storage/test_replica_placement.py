@@ -7,7 +7,7 @@ from pd_cache.core.hashing import page_hashes
 from pd_cache.storage.base import ExtraInfo, PoolHits, PoolTransfer
 from pd_cache.storage.batch import check_batch
 from pd_cache.storage.placement import chain_replicas, chain_shards, rendezvous, replica_set
-from pd_cache.storage.rebuild import chains
+from pd_cache.storage.rebuild import chains, copies
 from pd_cache.storage.replica_parts import Part, joined_hits, part_call, parts, presence, runs
 from pd_cache.storage.replicas import RankClient
 
@@ -95,3 +95,12 @@ def test_the_shards_links_make_one_chain_per_branch_from_its_head() -> None:
     assert sorted(chains(links)) == sorted([(seed, [a, b, c]), (seed, [a, b, d, e])])
     assert chains([(d, b), (e, d)]) == [(b, [d, e])]   # a lost head: placed from d
     assert chains([(a, b), (b, a)]) == []   # a cycle holds no head
+
+
+def test_a_rank_gets_each_run_it_lacks_from_the_first_rank_that_holds_it() -> None:
+    marks = [[False, False, True, True, False, False],    # rank 0: a restarted shard's run
+             [True, True, True, False, False, True],
+             [True, True, True, True, True, False]]
+    assert copies(marks, 0) == [(1, [0, 1]), (2, [4]), (1, [5])]
+    assert copies(marks, 1) == [(0, [3]), (2, [4])]
+    assert copies(marks, 2) == [(1, [5])]

@@ -11,6 +11,7 @@ from pd_cache.storage.batch import check_batch
 from pd_cache.storage.client import _merger, _share
 from pd_cache.storage.memory import MemoryBackend
 from pd_cache.storage.placement import chain_replicas
+from pd_cache.storage.rebuild import rebuild
 from pd_cache.storage.replicas import RankClient, ReplicatedClient
 from tests.unit.storage.records import Chain, assert_same, layout_for
 
@@ -114,4 +115,10 @@ def test_a_dead_first_copy_still_acknowledges_and_serves_and_counts_what_it_lack
     client.batch_get(chain.names, info)   # it is back (empty): the next read repairs it
     client.settle(wait=True)
     assert set(shards[victim].held()["storage"]) == first
-    assert client.counts()["under_replicated"] == len(short - first)   # rebuild's to copy
+    assert client.counts()["under_replicated"] == len(short - first)
+    # rebuild_storage copies the rest: the pages the victim holds second, from their first
+    client.primary._gather = lambda method: [getattr(s, method)() for s in shards]
+    done = rebuild(client, bytes_per_s=1e12)
+    assert done.pages == len(short - first) and done.bytes > 0
+    assert set(shards[victim].held()["storage"]) == short
+    assert rebuild(client, bytes_per_s=1e12).pages == 0
