@@ -122,3 +122,18 @@ def test_a_dead_first_copy_still_acknowledges_and_serves_and_counts_what_it_lack
     assert done.pages == len(short - first) and done.bytes > 0
     assert set(shards[victim].held()["storage"]) == short
     assert rebuild(client, bytes_per_s=1e12).pages == 0
+
+
+def test_a_page_no_copy_holds_costs_no_second_get() -> None:
+    client, _ = replicated(set())
+    chain = Chain(LAYOUT, 6, seed=5)
+    info = ExtraInfo(prefix_keys=[], namespace_seed=chain.seed)
+    asked: list[Any] = []
+    later = client.ranks[1].submit_get_v2
+    client.ranks[1].submit_get_v2 = lambda *a: asked.append(a) or later(*a)  # type: ignore
+    assert client.batch_get(chain.names, info) == [None] * 6   # a new prompt's pages
+    assert asked == [] and client.counts().get("repairs_sent", 0) == 0
+    assert client.batch_set(chain.names[:3], chain.records[:3], info) == [True] * 3
+    assert [g is not None for g in client.batch_get(chain.names, info)] == [True] * 3 + \
+        [False] * 3
+    assert asked == []   # the first copy served all there was
