@@ -93,9 +93,9 @@ def _copy(client: Any, src: int, dst: int, names: list[bytes], lo: int, hi: int,
         return 0, 0
     acks = client.ranks[dst].batch_set_v2([PoolTransfer(KV_POOL, names[lo:lo + n],
                                                         pages[:n])], info)
-    stored = sum(acks[0])
+    stored = {k for k, ok in zip(names[lo:lo + n], acks[0]) if ok}
     client.repaired(stored)
-    return stored, sum(p.nbytes for p in pages[:n])
+    return len(stored), sum(p.nbytes for p in pages[:n])
 
 
 def _pace(start: float, sent: int, bytes_per_s: float) -> None:

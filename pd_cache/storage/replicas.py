@@ -167,18 +167,19 @@ class ReplicatedClient(SubmittedBackend):
             stored = {k for ks, a in zip(keys, acks) for k, ok in zip(ks, a) if ok}
             lost = {k for ks, a in zip(keys, acks) for k, ok in zip(ks, a) if not ok}
             if repair:
-                self.repaired(len(stored))
+                self.repaired(stored)
             else:
                 self._counts.count("copies_stored", n=len(stored))
                 self._counts.count("copies_refused", n=len(lost))
-            self._mark(add=lost - stored if not repair else set(), drop=stored if repair
-                       else set())
+            if not repair:
+                self._mark(add=lost - stored, drop=set())
 
-    def repaired(self, n: int) -> None:
-        """Count ``n`` pages written back to a replica that lacked them."""
-        self._counts.count("repaired", n=n)
-        if self.metrics is not None and n:
-            self.metrics.count_repairs(n)
+    def repaired(self, keys: set[bytes]) -> None:
+        """Count the pages ``keys`` written back to a replica that lacked them."""
+        self._counts.count("repaired", n=len(keys))
+        if self.metrics is not None and keys:
+            self.metrics.count_repairs(len(keys))
+        self._mark(add=set(), drop=keys)
 
     def _mark(self, add: set[bytes], drop: set[bytes]) -> None:
         with self._lock:

@@ -121,6 +121,7 @@ def test_a_dead_first_copy_still_acknowledges_and_serves_and_counts_what_it_lack
     done = rebuild(client, bytes_per_s=1e12)
     assert done.pages == len(short - first) and done.bytes > 0
     assert set(shards[victim].held()["storage"]) == short
+    assert client.counts()["under_replicated"] == 0
     assert rebuild(client, bytes_per_s=1e12).pages == 0
 
 
