@@ -102,7 +102,6 @@ class StorageClient(SubmittedBackend):
                    algo=config.cache.hash_algo, timeout_s=timeout_s, layout=config.layout,
                    segment_pages=config.storage.segment_pages)
 
-
     # -- async ------------------------------------------------------------------------------
     def submit_exists_v2(self, transfers: Sequence[PoolTransfer],
                          extra_info: ExtraInfo | None = None) -> Pending[PoolHits]:
@@ -110,7 +109,6 @@ class StorageClient(SubmittedBackend):
 
     def _exists(self, transfers: Sequence[PoolTransfer], extra_info: ExtraInfo | None,
                 merge: Callable[[list[Batch], Plan, dict[int, PoolHits]], T]) -> Pending[T]:
-        """Every shard's ``exists`` of its keys, its answers merged by ``merge``."""
         batches = check_batch(transfers, extra_info, self.algo, with_pages=False)
         if not batches:
             raise ValueError("transfers: name at least one pool")
