@@ -51,6 +51,14 @@ into new memory). Keys
 ``sealed_objstore_set_vs_memcpy``;
 ``--sealed-only`` runs just these rows (``results/storage_sealed.json``).
 
+Replica rows (2 tier actors): the same pages through a client of one copy
+(``storage.replicas`` 1) and one of two copies (2: every page on both shards), alternating
+in each repetition, the shards emptied before each. ``set`` is until every page is
+acknowledged (one copy landed), ``set_all_copies`` until the second copies landed too,
+``get`` as above (the first copy answers). Keys ``replicas_set_r2_vs_r1``,
+``replicas_set_all_copies_r2_vs_r1``, ``replicas_get_r2_vs_r1`` (time ratios; target: get
+<= 1.1); ``--replicas-only`` runs just these rows (``results/storage_replicas.json``).
+
 Capacity pressure (in-process memory backend, no Ray): 32 prompts of 8-16 pages that
 share nothing, room for 40% of their pages, under two eviction orders side by side: the
 previous one (least recently used page first: ``head_first``) and the store's
@@ -94,12 +102,14 @@ from pd_cache.storage.arena_writer import ArenaWriter, committed_all
 from pd_cache.storage.client import StorageClient
 from pd_cache.storage.eviction import EvictionPolicy, Slot
 from pd_cache.storage.memory import MemoryBackend
+from pd_cache.storage.replicas import sharded_client
 from pd_cache.storage.seal import AEAD, SCRATCH_BYTES, SealedStorage, Sealer, sealed_nbytes
 from pd_cache.storage.tier import ACTOR_ENV, storage_actors
 from pd_cache.tiering.chain import runs
 
 RESULTS = Path(__file__).parent / "results" / "storage.json"
 SEALED_RESULTS = RESULTS.with_name("storage_sealed.json")
+REPLICA_RESULTS = RESULTS.with_name("storage_replicas.json")
 BENCH_TENANT = ExtraInfo(tenant="bench")
 SEED = 1234
 TOTAL_BYTES = 128 << 20
@@ -174,6 +184,52 @@ def bench_shards(num_shards: int, payloads: list[torch.Tensor], pool: torch.Tens
     finally:
         kill_all(handles)
     return {**rates(times), "call_floor_ms": floor}
+
+
+def bench_replicated(payloads: list[torch.Tensor], repeats: int,
+                     batch_pages: int) -> dict[str, Any]:
+    """One copy vs two over the same 2 shards, side by side (see the module docstring)."""
+    import ray
+
+    cfg = config(BIG_MODEL, 2)
+    handles = storage_actors(cfg)
+    clients = {r: sharded_client(handles, r, timeout_s=120) for r in (1, 2)}
+    times: dict[str, list[float]] = {f"{op}_r{r}": [] for op in ("set", "set_all_copies", "get")
+                                     for r in (1, 2)}
+    try:
+        for rep in range(repeats + 1):   # the first repetition warms up and is dropped
+            for r in ((1, 2) if rep % 2 else (2, 1)):
+                ray.get([h.drop_all.remote() for h in handles])
+                batches = in_batches(chain_records(cfg.layout, payloads, f"r{r}-{rep}"),
+                                     batch_pages)
+                start = time.perf_counter()
+                set_all(clients[r], batches)
+                acked = time.perf_counter() - start
+                if r == 2:
+                    clients[r].settle(wait=True)
+                every = time.perf_counter() - start
+                got = timed(get_all, clients[r], batches)
+                if rep:
+                    times[f"set_r{r}"].append(acked)
+                    times[f"set_all_copies_r{r}"].append(every)
+                    times[f"get_r{r}"].append(got)
+        stored = [u.records for u in ray.get([h.usage.remote() for h in handles])]
+    finally:
+        kill_all(handles)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    out: dict[str, Any] = {f"{k}_gbps": TOTAL_BYTES / t / GB for k, t in med.items()}
+    out.update({f"replicas_{op}_r2_vs_r1": med[f"{op}_r2"] / med[f"{op}_r1"]
+                for op in ("set", "set_all_copies", "get")})
+    out["records_per_shard_last_r2"] = stored
+    return out
+
+
+def print_replicated(r: dict[str, Any]) -> None:
+    print(f"replicas (2 shards): set {r['set_r1_gbps']:.2f} GB/s one copy, "
+          f"{r['set_r2_gbps']:.2f} two ({r['replicas_set_r2_vs_r1']:.2f}x the time; every copy "
+          f"{r['replicas_set_all_copies_r2_vs_r1']:.2f}x) | get {r['get_r1_gbps']:.2f} vs "
+          f"{r['get_r2_gbps']:.2f} GB/s ({r['replicas_get_r2_vs_r1']:.2f}x the time; target "
+          f"<= 1.1)")
 
 
 def call_floor_ms(handle: Any, calls: int = 50) -> float:
@@ -698,6 +754,9 @@ def main() -> None:
                              "cost per call shows")
     parser.add_argument("--sealed-only", action="store_true",
                         help="only the sealed vs unsealed rows (into storage_sealed.json)")
+    parser.add_argument("--replicas-only", action="store_true",
+                        help="only the one copy vs two copies rows (into "
+                             "storage_replicas.json)")
     args = parser.parse_args()
     import ray
 
@@ -705,10 +764,12 @@ def main() -> None:
         ray.init(address="local", num_cpus=2, include_dashboard=False,
                  logging_level="WARNING", runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
         try:
-            results = run_sealed(args) if args.sealed_only else run(args)
+            results = run_sealed(args) if args.sealed_only else \
+                run_replicated(args) if args.replicas_only else run(args)
         finally:
             ray.shutdown()
-    out = SEALED_RESULTS if args.sealed_only else RESULTS
+    out = SEALED_RESULTS if args.sealed_only else \
+        REPLICA_RESULTS if args.replicas_only else RESULTS
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {out}")
@@ -730,6 +791,14 @@ def run_sealed(args: argparse.Namespace) -> dict[str, Any]:
     r = bench_sealed(payloads, pool, args.repeats, args.batch_pages)
     print_sealed(r)
     return {"seed": SEED, "total_bytes": TOTAL_BYTES, **sealed_keys(r), "sealed": r}
+
+
+def run_replicated(args: argparse.Namespace) -> dict[str, Any]:
+    payloads, _ = big_pages()
+    r = bench_replicated(payloads, args.repeats, args.batch_pages)
+    print_replicated(r)
+    return {"seed": SEED, "total_bytes": TOTAL_BYTES, "batch_pages": args.batch_pages,
+            "repeats": args.repeats, **r}
 
 
 def sealed_keys(r: dict[str, Any]) -> dict[str, float]:
@@ -788,6 +857,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results["sealed"] = bench_sealed(payloads, pool, args.repeats, args.batch_pages)
     print_sealed(results["sealed"])
     results.update(sealed_keys(results["sealed"]))
+    results["replicas"] = bench_replicated(payloads, args.repeats, args.batch_pages)
+    print_replicated(results["replicas"])
     results["capacity_pressure"] = bench_capacity_pressure()
     print_pressure(results["capacity_pressure"])
     one = results["shards"]["1"]

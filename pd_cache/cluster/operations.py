@@ -45,13 +45,25 @@ class ClusterOperations(ClusterKeys):
 
     def storage_client(self, timeout_s: float | None = None) -> Any:
         """A client over this cluster's tier actors (``None`` without L3)."""
-        from pd_cache.storage.client import StorageClient
+        from pd_cache.storage.replicas import sharded_client
 
         if not self.storage:
             return None
-        return StorageClient(self.storage, algo=self.pd.cache.hash_algo,
-                             timeout_s=timeout_s or self.config.storage_timeout_s,
-                             segment_pages=self.pd.storage.segment_pages)
+        return sharded_client(self.storage, self.pd.storage.replicas,
+                              algo=self.pd.cache.hash_algo,
+                              timeout_s=timeout_s or self.config.storage_timeout_s,
+                              segment_pages=self.pd.storage.segment_pages)
+
+    def rebuild_storage(self, bytes_per_s: float = 64e6) -> dict[str, int]:
+        """Copy to every L3 replica the pages it lacks (a shard restarted empty), at most
+        ``bytes_per_s`` a second (``storage.rebuild``); chains checked, pages and bytes
+        copied. Nothing to do with one copy of each page (``storage_replicas`` 1)."""
+        from pd_cache.storage.rebuild import rebuild
+
+        client = self.storage_client()
+        if client is None or self.pd.storage.replicas == 1:
+            return {"chains": 0, "pages": 0, "bytes": 0}
+        return rebuild(client, bytes_per_s)._asdict()
 
     def pins(self, tenant: str) -> TenantPins:
         """``tenant``'s pinned pages on every worker and L3 shard (shards know it by its

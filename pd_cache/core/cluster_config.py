@@ -80,6 +80,8 @@ class ClusterConfig:
     storage_backend: str = _knob("memory", "L3 backend",
                                  choices=tuple(sorted(STORAGE_BACKENDS)))
     storage_capacity_bytes: int = _knob(1 << 30, "L3 capacity in bytes, split over shards")
+    storage_replicas: int = _knob(1, "copies of each L3 page, on distinct shards (and nodes "
+                                     "where there are several); R copies hold 1/R the pages")
     disk_path: str | None = _knob(None, "directory of the disk backend")
     disk_reserve: float = _knob(DISK_RESERVE, "free space the disk backend keeps on its "
                                               "filesystem: a fraction below 1, else bytes")
@@ -116,12 +118,16 @@ class ClusterConfig:
                                         "(ms)")
 
     def __post_init__(self) -> None:
-        for name in ("num_prefill", "num_decode", "threads", "decode_batch"):
+        for name in ("num_prefill", "num_decode", "threads", "decode_batch",
+                     "storage_replicas"):
             check_int_at_least(name, getattr(self, name), 1)
         for name in ("num_storage", "balance_threshold", "storage_restarts", "index_shards",
                      "prefill_queue_depth"):
             check_int_at_least(name, getattr(self, name), 0)
         check_int_at_least("worker_restarts", self.worker_restarts, -1)
+        if self.with_storage and self.storage_replicas > self.num_storage:
+            raise ValueError(f"storage_replicas: expected <= num_storage={self.num_storage}, "
+                             f"got {self.storage_replicas!r}")
         check_bool("cache", self.cache)
         check_bool("decode_pack", self.decode_pack)
         check_bool("decode_cache", self.decode_cache)
@@ -154,5 +160,6 @@ class ClusterConfig:
                                   disk_path=self.disk_path,
                                   disk_reserve=self.disk_reserve,
                                   num_shards=max(1, self.num_storage),
+                                  replicas=self.storage_replicas if self.with_storage else 1,
                                   prefetch_policy=self.prefetch_policy,
                                   metrics_interval_s=self.metrics_interval_s))

@@ -156,7 +156,9 @@ class StorageConfig:
     fraction of the filesystem's size below 1, else bytes. ``seal``: workers seal every
     record they write (``pd_cache.storage.seal``); ``False`` only for a benchmark's
     unsealed baseline. ``segment_pages``: a chain's pages live on the shards in runs of
-    this many (``pd_cache.storage.placement``).
+    this many (``pd_cache.storage.placement``). ``replicas``: copies of each page, on that
+    many shards (``pd_cache.storage.replicas``; at most ``num_shards``): R copies hold 1/R
+    as many distinct pages in the same ``capacity_bytes``.
     """
 
     enabled: bool = True
@@ -172,6 +174,7 @@ class StorageConfig:
     prefetch_timeout_max_s: float = 2.0
     prefix_keys: bool = True
     segment_pages: int = 256
+    replicas: int = 1
     metrics_interval_s: float = 5.0
     seal: bool = True
 
@@ -184,6 +187,9 @@ class StorageConfig:
         check_positive_int("storage.num_shards", self.num_shards)
         check_positive_int("storage.batch_pages", self.batch_pages)
         check_positive_int("storage.segment_pages", self.segment_pages)
+        check_positive_int("storage.replicas", self.replicas)
+        check(self.replicas <= self.num_shards, "storage.replicas", self.replicas,
+              f"<= storage.num_shards={self.num_shards}")
         one_of("storage.prefetch_policy", self.prefetch_policy, PREFETCH_POLICIES)
         for name in ("prefetch_timeout_base_s", "prefetch_timeout_per_1k_tokens_s",
                      "prefetch_timeout_max_s"):

@@ -104,6 +104,12 @@ class PDCacheMetrics:
     def count_miss(self, reason: MissReason | str, n: int = 1) -> None:
         self._record("pd_cache_storage_misses_total", n, reason=reason)
 
+    def count_repairs(self, n: int) -> None:
+        self._record("pd_cache_storage_repairs_total", n)
+
+    def set_under_replicated(self, pages: int) -> None:
+        self._record("pd_cache_storage_under_replicated_pages", pages)
+
     def count_storage_stats(self, snapshot: Mapping[str, int], backend: str = "memory",
                             source: str = "") -> None:
         """Add what a ``Stats.snapshot()`` counted since the previous call for ``source``.

@@ -110,6 +110,9 @@ METRICS: tuple[MetricSpec, ...] = (
     _c("pd_cache_storage_refusals_total", ("backend", "reason"),
        "L3 pages a shard refused to store or serve, by reason (disk_full: the disk's "
        "free-space reserve)."),
+    _c("pd_cache_storage_repairs_total", (),
+       "L3 pages written back to a replica that lacked them, from another replica's copy "
+       "(storage_replicas > 1: a read's repair or rebuild_storage)."),
     _c("pd_cache_prefetch_pages_total", _XFER, "Pages prefetched L3 -> host."),
     _c("pd_cache_prefetch_bytes_total", _XFER, "Bytes prefetched L3 -> host."),
     _h("pd_cache_prefetch_seconds", _XFER,
@@ -134,6 +137,9 @@ METRICS: tuple[MetricSpec, ...] = (
     _g("pd_cache_pool_capacity_pages", ("tier",), "Capacity of a tier's pool in pages."),
     _g("pd_cache_storage_used_bytes", ("backend",), "Bytes one L3 shard holds."),
     _g("pd_cache_storage_capacity_bytes", ("backend",), "Capacity of one L3 shard in bytes."),
+    _g("pd_cache_storage_under_replicated_pages", (),
+       "L3 pages a worker wrote or read that lack one of their storage_replicas copies (a "
+       "follower write refused, a replica found without the page, until repaired)."),
     _h("pd_cache_ttft_seconds", ("role",), "Time to first token.", TTFT_BUCKETS),
     _h("pd_cache_inter_token_seconds", ("role",), "Time between two output tokens.",
        TOKEN_BUCKETS),

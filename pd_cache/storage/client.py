@@ -104,17 +104,20 @@ class StorageClient(SubmittedBackend):
                    algo=config.cache.hash_algo, timeout_s=timeout_s, layout=config.layout,
                    segment_pages=config.storage.segment_pages)
 
-
     # -- async ------------------------------------------------------------------------------
     def submit_exists_v2(self, transfers: Sequence[PoolTransfer],
                          extra_info: ExtraInfo | None = None) -> Pending[PoolHits]:
+        return self._exists(transfers, extra_info, _merge_exists)
+
+    def _exists(self, transfers: Sequence[PoolTransfer], extra_info: ExtraInfo | None,
+                merge: Callable[[list[Batch], Plan, dict[int, PoolHits]], T]) -> Pending[T]:
         batches = check_batch(transfers, extra_info, self.algo, with_pages=False)
         if not batches:
             raise ValueError("transfers: name at least one pool")
         plan = self.plan(batches, extra_info)
         refs = {s: self.handles[s].batch_exists_v2.remote(_share(batches, parts), extra_info)
                 for s, parts in plan.items()}
-        return _FanOut(refs, lambda answers: _merge_exists(batches, plan, answers),
+        return _FanOut(refs, lambda answers: merge(batches, plan, answers),
                        self._fault_counter(plan, Event.MISS, per_key=False), self.timeout_s)
 
     def submit_get_v2(self, transfers: Sequence[PoolTransfer],

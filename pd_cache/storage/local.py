@@ -157,6 +157,9 @@ class LocalBackend(OwnerShares, StorageBackend):
     def held(self) -> dict[str, list[bytes]]:   # every kv page's name (a KV events snapshot)
         with self._lock:
             return {STORAGE_TIER: [name for pool, name in self._index if pool == KV_POOL]}
+    def links(self) -> list[tuple[bytes, bytes]]:   # (name, prior) of every kv page
+        with self._lock:
+            return [(n, e.header.prior) for (p, n), e in self._index.items() if p == KV_POOL]
 
     # -- lookups --------------------------------------------------------------------------
     def _prefix(self, pool: str, keys: list[bytes], priors: list[bytes | None]) -> int:

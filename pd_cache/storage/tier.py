@@ -154,6 +154,18 @@ class StorageTier:
         return compute_prefix_hash(req, req.input_ids, page_size=self.backend.layout.page_size,
                                    algo=self.backend.algo)
 
+    def links(self) -> list[tuple[bytes, bytes]]:
+        """``(name, prior)`` of every ``kv`` record held here (what ``rebuild_storage``
+        finds the chains from)."""
+        links = getattr(self.backend, "links", None)
+        return [] if links is None else links()
+
+    def node(self) -> str:
+        """The Ray node this shard runs on (where its replicas are placed from)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     def ping(self) -> int:
         """The hosting process id (changes when the actor restarts)."""
         return os.getpid()

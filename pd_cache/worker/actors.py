@@ -51,14 +51,18 @@ def _storage_client(handles: Sequence[Any], config: PDCacheConfig,
         return None
     from pd_cache.storage.arena_writer import ArenaWriter
     from pd_cache.storage.client import StorageClient
+    from pd_cache.storage.replicas import sharded_client
     from pd_cache.storage.seal import SCRATCH_BYTES, SealedStorage, Sealer
     from pd_cache.storage.tier import resolve
 
-    client = StorageClient(resolve(handles), algo=config.cache.hash_algo, timeout_s=timeout_s,
-                           metrics=metrics, segment_pages=config.storage.segment_pages)
+    client = sharded_client(resolve(handles), config.storage.replicas,
+                            algo=config.cache.hash_algo, timeout_s=timeout_s, metrics=metrics,
+                            segment_pages=config.storage.segment_pages)
     sealer = Sealer(keyring or Keyring.random(), enabled=config.storage.seal)
-    return SealedStorage(client, sealer, metrics, scratch_bytes=SCRATCH_BYTES,
-                         arena=ArenaWriter(client))
+    # NOTE: an arena slot belongs to one shard; with several copies a set goes by the object
+    # store (one put, read by every copy).
+    arena = ArenaWriter(client) if isinstance(client, StorageClient) else None
+    return SealedStorage(client, sealer, metrics, scratch_bytes=SCRATCH_BYTES, arena=arena)
 
 
 def _in_process(config: PDCacheConfig, storage_handles: Sequence[Any], threads: int,

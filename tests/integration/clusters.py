@@ -10,7 +10,7 @@ import os
 import random
 import signal
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 from pd_cache.app.bench.runner import RunOutput, run_open_loop
@@ -105,6 +105,21 @@ def stream_killing_decode(cluster: Any, req: Req, after: int = 6
 
     tokens, out = asyncio.run(asyncio.wait_for(consume(), 120))
     return tokens, out, victim[0], victim[1]
+
+
+def until(check: Callable[[], bool], what: str, timeout_s: float = 30) -> None:
+    """A bounded poll: until ``check()`` holds (``what`` says what did not, on timeout)."""
+    end = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < end, what
+        time.sleep(0.1)
+
+
+def l3_records(cluster: Any) -> list[int]:
+    """The records each L3 shard of ``cluster`` holds."""
+    import ray
+
+    return [u.records for u in ray.get([s.usage.remote() for s in cluster.storage])]
 
 
 def wait_healthy(cluster: Any, role: str, worker: int, timeout_s: float = 45) -> None:

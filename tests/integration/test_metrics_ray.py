@@ -55,6 +55,8 @@ class MetricsProbe:
         m.count_offload("generated", 2)
         m.set_pool("host", 7, 1024)
         m.set_storage_usage(3 * 4096, 1 << 20, "memory")
+        m.count_repairs(3)            # a read fell back to a second copy and repaired
+        m.set_under_replicated(2)
         m.observe_ttft(0.03, "decode")
         m.observe_ttft(0.3, "decode")
         m.observe_inter_token(0.004, "decode")
@@ -134,6 +136,8 @@ def expected() -> Samples:
         key("pd_cache_pool_capacity_pages", tier="host"): 1024,
         key("pd_cache_storage_used_bytes", backend="memory"): 3 * 4096,
         key("pd_cache_storage_capacity_bytes", backend="memory"): 1 << 20,
+        key("pd_cache_storage_repairs_total"): 3,
+        key("pd_cache_storage_under_replicated_pages"): 2,
         key("pd_cache_ttft_seconds_count", role="decode"): 2,
         key("pd_cache_inter_token_seconds_count", role="decode"): 1,
     }

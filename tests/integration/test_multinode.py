@@ -1,8 +1,10 @@
 """The PD cluster across two Ray nodes on this machine (``ray.cluster_utils.Cluster``).
 
-Prefill actors run on node A (with the driver), decode and storage actors on node B, so the
-prompt's KV reaches decode through Ray's object manager (node A's object store -> node B's)
-rather than shared memory, and a prefill worker's L3 prefetch crosses nodes too.
+Prefill actors run on node A (with the driver), decode and two storage actors on node B, a
+third storage actor on node A, so the prompt's KV reaches decode through Ray's object
+manager (node A's object store -> node B's) rather than shared memory, and a prefill
+worker's L3 prefetch crosses nodes too. With ``storage_replicas: 2`` each page has one copy
+on node A and one on node B.
 
 This module starts its own cluster: it ends the session's single-node Ray if one is up and
 does not start it again, so it runs after every other test (see the integration conftest).
@@ -10,7 +12,9 @@ does not start it again, so it runs after every other test (see the integration 
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import time
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -24,6 +28,7 @@ from pd_cache.core.cluster_config import ClusterConfig
 from pd_cache.core.request import Req
 from pd_cache.core.sealing import Keyring
 from pd_cache.model.model import Model, reference_generate
+from tests.integration.clusters import l3_records, until
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -34,9 +39,9 @@ from pd_cache.worker import actors  # noqa: E402
 pytestmark = pytest.mark.multinode
 
 PS = 4
-CONFIG = ClusterConfig(model="tiny", page_size=PS, num_prefill=2, num_decode=1, num_storage=1,
-                       device_pages=64, host_pages=128, storage_capacity_bytes=1 << 25,
-                       storage_timeout_s=10.0)
+CONFIG = ClusterConfig(model="tiny", page_size=PS, num_prefill=2, num_decode=1, num_storage=3,
+                       storage_replicas=2, device_pages=64, host_pages=128,
+                       storage_capacity_bytes=1 << 25, storage_timeout_s=10.0)
 VOCAB = CONFIG.pd_config.model.vocab_size
 NODE_A, NODE_B = "node_a", "node_b"
 STORE_BYTES = 128 << 20   # per node; 150 MiB is Cluster's default
@@ -85,10 +90,10 @@ def nodes(request: pytest.FixtureRequest, ray_token: ClusterToken) -> Iterator[N
 def cluster(nodes: Nodes) -> Iterator[PDCluster]:
     pd, on_a, on_b = CONFIG.pd_config, {"resources": {NODE_A: 1}}, {"resources": {NODE_B: 1}}
     # NOTE: storage_actors takes no Ray resources: the shards are made as it makes them,
-    # plus the resource that pins them to node B.
+    # plus the resource that pins them to node B (shards 0, 1) or A (shard 2).
     storage = [ray.remote(tier.StorageTier).options(
-        num_cpus=0, runtime_env={"env_vars": dict(tier.ACTOR_ENV)}, **on_b).remote(pd, i)
-        for i in range(pd.storage.num_shards)]
+        num_cpus=0, runtime_env={"env_vars": dict(tier.ACTOR_ENV)},
+        **(on_b if i < 2 else on_a)).remote(pd, i) for i in range(pd.storage.num_shards)]
     opts = {"threads": CONFIG.threads, "storage_timeout_s": CONFIG.storage_timeout_s,
             "keyring": Keyring.random()}   # one cluster: every worker reads the others' pages
     prefill = [actors.prefill_actor(pd, i, storage, actor=on_a, **opts)
@@ -114,7 +119,7 @@ def test_roles_run_on_the_nodes_they_were_placed_on(cluster: PDCluster, nodes: N
     assert nodes.a != nodes.b
     assert [node_of(a) for a in cluster.prefill] == [nodes.a] * CONFIG.num_prefill
     assert [node_of(a) for a in cluster.decode + cluster.storage] == \
-        [nodes.b] * (CONFIG.num_decode + CONFIG.num_storage)
+        [nodes.b] * (CONFIG.num_decode + 2) + [nodes.a]
 
 
 def test_handed_off_pages_are_copied_to_the_decode_node(cluster: PDCluster,
@@ -170,3 +175,25 @@ def test_two_tenants_over_turns_equal_the_reference(cluster: PDCluster) -> None:
         assert state.locks == 0, state
         owners = {owner for pool in state.pool_usage.values() for owner in pool}
         assert owners <= {"radix"}, state
+
+
+def test_replicas_sit_on_both_nodes_and_outlive_one_nodes_shard(cluster: PDCluster) -> None:
+    """Every page has a copy on node A's shard and one on node B's two; once node A's shard
+    is killed (for good: made without restarts), the next turn still hits L3 for all."""
+    until(lambda: (lambda n: n[2] == n[0] + n[1] > 0)(l3_records(cluster)),
+          "a copy of every page on each node")
+    model = Model(CONFIG.pd_config.model)
+    first = Req(rid="rep/0", input_ids=random.Random(31).sample(range(VOCAB), 14),
+                cache_salt="tenant-r", max_new_tokens=6)
+    first_out = cluster.generate(first, prefill_worker=0)
+    cluster.flush()
+    after = Req(rid="rep/1", input_ids=first.input_ids + first_out.output_ids + [7, 8, 9],
+                cache_salt="tenant-r", max_new_tokens=4)
+    held = cluster.l3_holds(cluster.router_names(after))
+    assert held == (len(first.input_ids) + len(first_out.output_ids) - 1) // PS
+    until(lambda: (lambda n: n[2] == n[0] + n[1])(l3_records(cluster)), "both copies landed")
+    pid = ray.get(cluster.storage[2].ping.remote())
+    os.kill(pid, signal.SIGKILL)
+    out = cluster.generate(after, prefill_worker=1)   # prefill 1 never saw the first turn
+    assert out.output_ids == expected(model, after)
+    assert out.cached_tokens == {"device": 0, "host": 0, "storage": PS * held}, out

@@ -1,0 +1,125 @@
+"""L3 replicas (``storage_replicas: 2``) on a real cluster: a memory shard killed with
+SIGKILL comes back empty, and the next turn of every conversation still finds in L3 what L3
+held before; reads repair the shard they fell back from, ``rebuild_storage`` the rest.
+
+Central checks: every answer is the no-cache model's, the cached tokens by tier say L3
+served what it held, and no slot or lock is left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from pd_cache import ClusterConfig, Completion, PDCluster, Req
+from pd_cache.app.bench.workloads import Workload, multi_turn_workload
+from pd_cache.model.model import Model
+from pd_cache.storage.base import ExtraInfo, PoolTransfer
+from pd_cache.storage.placement import rendezvous
+from tests.integration.clusters import assert_idle, expected, l3_records, started, until
+
+ray = pytest.importorskip("ray")
+
+PS = 4
+CONFIG = ClusterConfig(num_prefill=2, num_decode=1, num_storage=2, storage_replicas=2,
+                       model="tiny", page_size=PS, device_pages=64, host_pages=128,
+                       storage_timeout_s=5.0)
+VOCAB = CONFIG.pd_config.model.vocab_size
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_cluster: Any) -> Iterator[PDCluster]:
+    yield from started(CONFIG)
+
+
+def turn_of(wl: Workload, answers: dict[int, list[int]], t: int) -> list[tuple[int, Req]]:
+    return [(s.index, Req(rid=f"{s.session}/{t}", input_ids=s.prompt_ids(answers),
+                          extra_key=s.extra_key, cache_salt=s.cache_salt,
+                          max_new_tokens=s.max_tokens)) for s in wl.requests if s.turn == t]
+
+
+def run_turn(cluster: PDCluster, model: Model, reqs: list[tuple[int, Req]],
+             answers: dict[int, list[int]]) -> list[Completion]:
+    outs = cluster.generate_many([r for _, r in reqs])
+    for (index, r), out in zip(reqs, outs):
+        assert out.output_ids == expected(model, r), r.rid
+        answers[index] = out.output_ids
+    return outs
+
+
+def shard_holds(cluster: PDCluster, shard: int, names: list[bytes]) -> int:
+    """How many of a chain's ``names``, from the first, ``shard`` itself holds."""
+    ask = cluster.storage[shard].batch_exists_v2.remote([PoolTransfer("kv", names)],
+                                                        ExtraInfo(prefix_keys=[]))
+    return ray.get(ask).per_pool["kv"]
+
+
+def kill_shard(cluster: PDCluster, shard: int) -> None:
+    """kill -9 of a storage shard's process; back once a new process answers (empty)."""
+    pid = ray.get(cluster.storage[shard].ping.remote())
+    os.kill(pid, signal.SIGKILL)
+
+    def back() -> bool:
+        try:
+            return ray.get(cluster.storage[shard].ping.remote(), timeout=30) != pid
+        except ray.exceptions.RayActorError:
+            return False
+    until(back, f"shard {shard} never came back")
+
+
+def whole_on(cluster: PDCluster, shard: int, chains: list[tuple[list[bytes], int]]
+             ) -> list[bool]:
+    """For each ``(names, held)``: does ``shard`` itself hold those ``held`` pages?"""
+    return [shard_holds(cluster, shard, n[:h]) == h for n, h in chains]
+
+
+def turn_after_kill(cluster: PDCluster, model: Model, wl: Workload,
+                    answers: dict[int, list[int]], t: int, victim: int
+                    ) -> list[tuple[list[bytes], int]]:
+    """Turn ``t`` with L1 and L2 emptied and shard ``victim`` killed just before: L3 serves
+    every page it held (its other copy). Returns each prompt's names and the pages of it
+    L3 held that prefill reads (all but a last page ending at the last token)."""
+    reqs = turn_of(wl, answers, t)
+    names = [cluster.router_names(r) for _, r in reqs]
+    held = [min(cluster.l3_holds(n), (len(r.input_ids) - 1) // PS)
+            for n, (_, r) in zip(names, reqs)]
+    assert min(held) > 0
+    ray.get([a.drop_cache.remote() for a in cluster.prefill + cluster.decode])
+    cluster.prefill_router.forget()
+    cluster.decode_router.forget()
+    kill_shard(cluster, victim)
+    assert l3_records(cluster)[victim] == 0   # a memory shard comes back empty
+    outs = run_turn(cluster, model, reqs, answers)
+    for (_, r), h, out in zip(reqs, held, outs):
+        assert out.cached_tokens.get("storage", 0) == h * PS, (r.rid, out.cached_tokens)
+    cluster.flush()
+    return list(zip(names, held))
+
+
+def test_a_killed_memory_shard_loses_no_l3_hit(cluster: PDCluster) -> None:
+    model = Model(CONFIG.pd_config.model)
+    wl = multi_turn_workload(6, 1, 3, system_tokens=10, user_tokens=7, output_tokens=6,
+                             vocab_size=VOCAB, seed=29)
+    answers: dict[int, list[int]] = {}
+    run_turn(cluster, model, turn_of(wl, answers, 0), answers)
+    cluster.flush()
+    until(lambda: len(set(l3_records(cluster))) == 1, "two shards, two copies: both hold all")
+    chains = turn_after_kill(cluster, model, wl, answers, 1, victim=0)
+    # a read that fell back repaired the shard it missed on (its chain's first copy); the
+    # chains whose first copy is the other shard wait for rebuild_storage
+    first = [rendezvous(n[0], 2) == 0 for n, _ in chains]
+    assert 0 < sum(first) < len(first)
+    until(lambda: whole_on(cluster, 0, chains) == first, "repair on read")
+    rebuilt = cluster.rebuild_storage()
+    assert rebuilt["pages"] > 0 and rebuilt["bytes"] > 0
+    until(lambda: len(set(l3_records(cluster))) == 1, "rebuilt: both shards hold all")
+    assert all(whole_on(cluster, 0, chains))
+    turn_after_kill(cluster, model, wl, answers, 2, victim=1)   # the other one now
+    assert cluster.rebuild_storage()["pages"] > 0
+    until(lambda: len(set(l3_records(cluster))) == 1, "rebuilt again: both hold all")
+    assert cluster.rebuild_storage()["pages"] == 0   # nothing left to copy
+    assert_idle(cluster)
