@@ -1,5 +1,5 @@
 """``ReplicatedClient``'s logic over in-process shards: each rank's placement (the real
-``RankClient._plan``) run against one ``MemoryBackend`` per shard instead of actors."""
+``RankClient.plan``) run against one ``MemoryBackend`` per shard instead of actors."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ class LocalRank:
     def _run(self, transfers: Sequence[PoolTransfer], info: ExtraInfo | None, op: str,
              pages: bool) -> tuple[Any, Any, dict[int, Any]]:
         batches = check_batch(transfers, info, "xxh3_128", with_pages=pages)
-        plan = self.rank._plan(batches, info)
+        plan = self.rank.plan(batches, info)
         return batches, plan, {s: getattr(self.shards[s], op)(_share(batches, parts), info)
                                for s, parts in plan.items() if s not in self.dead}
 
