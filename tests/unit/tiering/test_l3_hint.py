@@ -10,6 +10,7 @@ from pd_cache.storage import make_backend
 from pd_cache.worker.engine import LocalEngine
 from tests.unit.tiering.fakes import (
     PS,
+    SetGate,
     Wrapper,
     assert_clean,
     config,
@@ -139,5 +140,27 @@ def test_decode_offload_starts_where_prefill_said_l3_ends_without_asking() -> No
     assert op == "set" and keys[:3] == list(out.page_names[7:]) and prefix == \
         list(out.page_names[:7])
     assert r.output_ids == reference(engine, r)
+    assert_clean(engine)
+    engine.close()
+
+
+def test_a_hit_whose_write_is_still_queued_is_not_offloaded_again() -> None:
+    cfg = config(batch=16, policy="wait_complete")
+    store = SetGate(make_backend(cfg.storage, cfg.layout))
+    engine = LocalEngine(cfg, storage=store)
+    head = prompt(39, 40)                                # 10 pages, computed by the first
+    first = engine.prefill(Req(rid="a", input_ids=head + prompt(40, 9), max_new_tokens=1))
+    r = Req(rid="b", input_ids=head + prompt(41, 9), max_new_tokens=5)
+    out = engine.prefill(r)                              # a's write-through not landed yet
+    assert out.cached_tokens["device"] == 40
+    assert out.l3_pages == len(out.page_names)           # queued before b's own write
+    engine.decode(r, out.kv_pages, out.num_prompt_tokens, out.first_token, out.state,
+                  out.page_names, out.l3_pages)
+    store.gate.set()
+    assert engine.flush(10) and r.output_ids == reference(engine, r)
+    written = [keys for op, keys, *_ in store.calls if op == "set"]
+    assert written[0] == list(first.page_names) and written[1] == list(out.page_names[10:])
+    assert not set(written[2]) & set(out.page_names)     # decode: generated pages only
+    assert store.inner.batch_exists(list(out.page_names)) == len(out.page_names)
     assert_clean(engine)
     engine.close()
