@@ -13,9 +13,10 @@ holds the first ``L``::
 
 Pages this front routed to ``w`` that the index does not show yet (its hints) count as
 device pages. ``balance`` is the hint router's ``balance_threshold``: a queue within it
-costs nothing, so a shared prefix keeps its worker as it does with the hints. ``l3_ms`` is
-``compute_ms`` under ``best_effort`` prefetch, which does not wait for L3: an L3 page that
-has not arrived when prefill starts is recomputed, so routing gives it no credit. The least
+costs nothing, so a shared prefix keeps its worker as it does with the hints. An L3 page
+costs ``l3_ms`` whatever the prefetch policy: prefill is handed the index's ``l3_pages`` and
+waits for those pages (under ``best_effort`` as ``timeout`` does, ``Prefetcher.policy``), so
+a load is what it costs, not a recompute. The least
 cost wins, then the least loaded (new prompts spread over the workers' caches), then the
 prompt's *home* worker: the live worker ranked first by a hash of the
 prompt's first page name and the worker's id (rendezvous), the same in every front, so two
@@ -47,10 +48,8 @@ class RouteWeights(NamedTuple):
 
     @classmethod
     def of(cls, config: ClusterConfig) -> RouteWeights:
-        """The config's weights; an L3 page costs a recompute under ``best_effort``."""
-        waits = config.prefetch_policy != "best_effort"
-        l3_ms = config.route_l3_ms if waits else config.route_compute_ms
-        return cls(config.route_compute_ms, config.route_host_ms, l3_ms,
+        """The config's weights."""
+        return cls(config.route_compute_ms, config.route_host_ms, config.route_l3_ms,
                    config.route_queue_ms, config.balance_threshold)
 
 

@@ -107,7 +107,9 @@ class Prefetcher:
         how many leading pages of the request's chain L3 holds) reads only the pages below
         it, and one the shard no longer holds is a ``stale_index`` miss; ``None`` reads
         every page of ``names`` the host pool could hold. Host slots are taken only for
-        the pages that arrived and verified, so a miss evicts nothing from L2.
+        the pages that arrived and verified, so a miss evicts nothing from L2. Under
+        ``best_effort``, pages ``l3_pages`` vouches for are waited for as ``timeout`` would
+        (``policy``).
         Returns the pages that landed, verified, in order; the caller reads them and calls
         ``release``.
         """
@@ -126,8 +128,8 @@ class Prefetcher:
         try:
             if asked:
                 reason = self._load(req, chain._replace(names=chain.names[:asked]),
-                                    policy or self.config.prefetch_policy, refused, states,
-                                    good, stale=l3_pages is not None, into=into)
+                                    self.policy(policy, l3_pages), refused, states, good,
+                                    stale=l3_pages is not None, into=into)
         except Exception as e:  # noqa: BLE001 - a malformed answer is a miss, never a failure
             self.link.fault(req, "prefetch", MissReason.STORAGE_ERROR, e, asked)
             good, reason = [], MissReason.STORAGE_ERROR
@@ -167,6 +169,13 @@ class Prefetcher:
         if self.link.has_state and chain.names:
             return self.link.query(req, chain, count=False)
         return min(len(chain.names), self.host.capacity)
+
+    def policy(self, policy: str | None, l3_pages: int | None) -> str:
+        """The wait for this read: ``policy``, else the config's; ``best_effort`` waits as
+        ``timeout`` does when a page index said L3 holds the pages (``l3_pages``): the read
+        is sure to find them, and a bounded wait beats recomputing what is on its way."""
+        policy = policy or self.config.prefetch_policy
+        return "timeout" if policy == "best_effort" and l3_pages is not None else policy
 
     def deadline(self, policy: str, num_tokens: int) -> float | None:
         """When the policy stops waiting (``time.monotonic()`` scale); ``None``: no wait."""

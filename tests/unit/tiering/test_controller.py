@@ -183,6 +183,25 @@ def test_best_effort_never_waits() -> None:
     engine.close()
 
 
+def test_best_effort_waits_as_timeout_for_pages_a_page_index_vouches_for() -> None:
+    cfg = config(batch=3, policy="best_effort", prefetch_timeout_base_s=2.0)
+    p = prompt(6, 42)
+    store = filled_store(cfg, [Req(rid="d", input_ids=p, max_new_tokens=1)])
+    names = page_hashes(p, PS)
+    slow = Delayed(store, {names[3]})
+    threading.Timer(0.1, slow.gate.set).start()
+    engine = LocalEngine(cfg, storage=slow)
+    r = Req(rid="r", input_ids=p, max_new_tokens=3)
+    out = engine.prefill(r, l3_pages=10)                # the index: L3 holds 10 pages
+    assert out.cached_tokens["storage"] == 10 * PS      # the late batch was waited for
+    assert "result-before-done" in slow.log
+    assert engine.decode(r, out.kv_pages, out.num_prompt_tokens, out.first_token, out.state,
+                         out.page_names, out.l3_pages) == reference(engine, r)
+    assert engine.flush(10)
+    assert_clean(engine)
+    engine.close()
+
+
 # -- namespace, host room, backup -------------------------------------------------------------
 
 def test_a_prefetch_under_another_namespace_is_refused_and_the_worker_keeps_serving() -> None:
