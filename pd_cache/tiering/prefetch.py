@@ -53,8 +53,7 @@ class Prefetched:
 
     ``cross_namespace`` counts records refused because another namespace produced them.
     ``states`` (hybrid models): the verified recurrent state after page ``i`` of the
-    landed pages, for each ``i`` where one was found. ``stale``: a page a page index said L3
-    held was not there.
+    landed pages, where one was found. ``stale``: a page an index said L3 held was not.
     """
 
     def __init__(self, pool: PagePool, slots: list[int], owner: str,
@@ -253,6 +252,7 @@ class Prefetcher:
                 if record is None and isinstance(pending, Pending):
                     reason = _missing_reason(pending, stale)
                 self.stats.count(Event.MISS, reason, len(batch) - i)
+                self.link.held.add(batch[:i])   # what it did read: L3 holds it
                 return reason
             good.append(record.payload(KV_POOL))
         self.link.held.add(batch)
