@@ -109,7 +109,7 @@ def measure(cfg: ClusterConfig, stream: Workload, lockstep: bool) -> dict:
         cluster.flush()
         cpu = {role: t - cpu_before[role] for role, t in cpu_seconds(pids).items()}
         cpu["driver"] = _own_cpu() - driver_before
-        writes = cluster.l3_writes()
+        writes = {**cluster.l3_writes(), **page_kinds(cluster.engine_stats())}
         calls = {op: n - calls_before[op] for op, n in cluster.l3_calls().items()}
     finally:
         cluster.shutdown()
@@ -148,6 +148,13 @@ def handoff(cfg: ClusterConfig, done: list) -> dict:
     return {"prompt_pages": prompt_pages, "pages_kept": sum(c.pages_kept for c in done),
             "handoff_page_fraction": sent / prompt_pages, "page_bytes": layout.page_nbytes,
             "handoff_bytes_per_request": sent * layout.page_nbytes / len(done)}
+
+
+def page_kinds(stats: dict[str, dict[str, int]]) -> dict[str, int]:
+    """Decode's offloaded pages by kind (``offload_prompt``: prompt pages L3 was said to
+    lack; ``offload_generated``), summed over the workers."""
+    return {f"offload_{kind}": sum(s.get(f"offload/{kind}", 0) for s in stats.values())
+            for kind in ("prompt", "generated")}
 
 
 def _own_cpu() -> float:

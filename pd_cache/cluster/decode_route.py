@@ -34,9 +34,11 @@ from typing import Any, NamedTuple
 
 from pd_cache.cluster.calls import abandon
 from pd_cache.cluster.health import Liveness
+from pd_cache.cluster.index_route import held_by
 from pd_cache.cluster.router import NoLiveWorker, PrefixRouter
 from pd_cache.core.cluster_config import ClusterConfig
 from pd_cache.core.config import PDCacheConfig
+from pd_cache.core.events import IndexAnswer
 from pd_cache.core.request import Req, compute_prefix_hash
 from pd_cache.core.wire import PrefillInfo
 
@@ -84,17 +86,20 @@ class DecodeRouting:
         raise NotImplementedError
 
     def _reserve(self, req: Req, names: Sequence[bytes], pinned: int | None,
-                 failed: Sequence[int] = ()) -> Reserved:
+                 failed: Sequence[int] = (), found: IndexAnswer | None = None) -> Reserved:
         """With a decode cache: the worker holding the longest prefix of ``names`` (or
         ``pinned``) and its reservation, asked for, not awaited; a request no worker holds
-        a prefix of is placed now (``_place``). Without: nothing chosen yet."""
+        a prefix of is placed now (``_place``). Without: nothing chosen yet. What a worker
+        holds is the longer of this front's hints and the page index's answer ``found``
+        (what each decode worker published of its cache: what other fronts routed there)."""
         if not self.pd.cache.decode_cache:
             return Reserved(pinned)
         worker = pinned
         if worker is None:
             self.liveness["decode"].refresh()
             try:
-                route = self.decode_router.pick(names, failed)
+                route = self.decode_router.pick(names, failed,
+                                                held_by(found, "decode", len(self.decode)))
             except NoLiveWorker:
                 return NOTHING
             if not route.matched_pages:

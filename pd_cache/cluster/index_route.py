@@ -13,9 +13,10 @@ holds the first ``L``::
 
 Pages this front routed to ``w`` that the index does not show yet (its hints) count as
 device pages. ``balance`` is the hint router's ``balance_threshold``: a queue within it
-costs nothing, so a shared prefix keeps its worker as it does with the hints. ``l3_ms`` is
-``compute_ms`` under ``best_effort`` prefetch, which does not wait for L3: an L3 page that
-has not arrived when prefill starts is recomputed, so routing gives it no credit. The least
+costs nothing, so a shared prefix keeps its worker as it does with the hints. An L3 page
+costs ``l3_ms`` whatever the prefetch policy: prefill is handed the index's ``l3_pages`` and
+waits for those pages (under ``best_effort`` as ``timeout`` does, ``Prefetcher.policy``), so
+a load is what it costs, not a recompute. The least
 cost wins, then the least loaded (new prompts spread over the workers' caches), then the
 prompt's *home* worker: the live worker ranked first by a hash of the
 prompt's first page name and the worker's id (rendezvous), the same in every front, so two
@@ -47,11 +48,17 @@ class RouteWeights(NamedTuple):
 
     @classmethod
     def of(cls, config: ClusterConfig) -> RouteWeights:
-        """The config's weights; an L3 page costs a recompute under ``best_effort``."""
-        waits = config.prefetch_policy != "best_effort"
-        l3_ms = config.route_l3_ms if waits else config.route_compute_ms
-        return cls(config.route_compute_ms, config.route_host_ms, l3_ms,
+        """The config's weights."""
+        return cls(config.route_compute_ms, config.route_host_ms, config.route_l3_ms,
                    config.route_queue_ms, config.balance_threshold)
+
+
+class Asked(NamedTuple):
+    """The index's answer for one request's names, asked once per attempt and shared by the
+    decode and prefill choices (``None``: no index, nothing to choose, or no answer in
+    time)."""
+
+    answer: IndexAnswer | None
 
 
 class IndexRoute(NamedTuple):
@@ -74,6 +81,14 @@ def cost(found: IndexAnswer, publisher: str, num_pages: int, excess: int,
     l3 = max(0, found.l3_pages - device - host)
     recompute = max(0, num_pages - device - host - l3)
     return w.compute_ms * recompute + w.host_ms * host + w.l3_ms * l3 + w.queue_ms * excess
+
+
+def held_by(found: IndexAnswer | None, role: str, n: int) -> list[int]:
+    """The leading pages of the request each of ``n`` workers of ``role`` holds, device and
+    host, as the index answered (all 0 without an answer)."""
+    hits = found.workers if found is not None else {}
+    return [hit.pages if (hit := hits.get(f"{role}-{k}")) is not None else 0
+            for k in range(n)]
 
 
 def home_rank(first: bytes, worker: int) -> bytes:
@@ -132,11 +147,18 @@ class IndexRouting:
     index: IndexClient | None
     routed = collections.Counter[str]()   # by "index" / "hints" (replaced per cluster)
 
-    async def _route_prefill(self, names: Sequence[bytes],
-                             failed: Sequence[int] = ()) -> IndexRoute:
-        """By the index if it answers, else by this front's hints."""
+    async def _ask_index(self, names: Sequence[bytes], *pinned: int | None) -> Asked:
+        """The index's answer for ``names``; not asked when every choice is ``pinned``."""
+        if self.index is None or not names or all(p is not None for p in pinned):
+            return Asked(None)
+        return Asked(await self.index.lookup(names))
+
+    async def _route_prefill(self, names: Sequence[bytes], failed: Sequence[int] = (),
+                             asked: Asked | None = None) -> IndexRoute:
+        """By the index if it answers (``asked``: its answer, else asked here), else by
+        this front's hints."""
         live = self.prefill_router.live(failed)
-        found = await self.index.lookup(names) if self.index is not None and names else None
+        found = (asked if asked is not None else await self._ask_index(names, None)).answer
         if found is None:
             self.routed["hints"] += 1
             route = self.prefill_router.pick(names, failed)

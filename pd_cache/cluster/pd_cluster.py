@@ -42,7 +42,7 @@ import msgspec
 from pd_cache.cluster.calls import Streamed, abandon, first_item, handoff_refs, unwrap
 from pd_cache.cluster.decode_route import NOTHING, DecodeRouting, Reserved, decode_balance
 from pd_cache.cluster.health import Liveness, WorkerDied, ping_all, worker_died
-from pd_cache.cluster.index_route import IndexClient, IndexRouting
+from pd_cache.cluster.index_route import Asked, IndexClient, IndexRouting
 from pd_cache.cluster.operations import ClusterOperations
 from pd_cache.cluster.router import PrefixRouter
 from pd_cache.cluster.turns import Turns
@@ -120,9 +120,11 @@ class PDCluster(IndexRouting, DecodeRouting, ClusterOperations):
         for attempt in (1, 2):
             try:
                 async with self.turns.turn(req.tenant):
-                    reserved = self._reserve(req, names, decode_worker, failed["decode"])
+                    asked = await self._ask_index(names, prefill_worker, decode_worker)
+                    reserved = self._reserve(req, names, decode_worker, failed["decode"],
+                                             asked.answer)
                     info, handoff = await self._prefill(req, names, prefill_worker,
-                                                        failed["prefill"], reserved)
+                                                        failed["prefill"], reserved, asked=asked)
                 reserved = self._settle(reserved, info, decode_worker)
                 ttft = time.perf_counter() - start
                 out = await self._decode(req, info, handoff, reserved.worker,
@@ -158,9 +160,10 @@ class PDCluster(IndexRouting, DecodeRouting, ClusterOperations):
         while True:
             try:
                 async with self.turns.turn(req.tenant):
-                    reserved = self._reserve(part, names, None, failed["decode"])
+                    asked = await self._ask_index(names, None)
+                    reserved = self._reserve(part, names, None, failed["decode"], asked.answer)
                     info, handoff = await self._prefill(part, names, None, failed["prefill"],
-                                                        reserved)
+                                                        reserved, asked=asked)
                 reserved = self._settle(reserved, info, None)
                 if first is None:
                     first, ttft = info, time.perf_counter() - start
@@ -232,16 +235,19 @@ class PDCluster(IndexRouting, DecodeRouting, ClusterOperations):
 
     async def _prefill(self, req: Req, names: list[bytes], pinned: int | None,
                        failed: Sequence[int] = (), reserved: Reserved = NOTHING,
-                       l3_pages: int | None = None) -> tuple[PrefillInfo, Any]:
+                       l3_pages: int | None = None,
+                       asked: Asked | None = None) -> tuple[PrefillInfo, Any]:
         """Route and run prefill by ``names`` (the prompt's, ``router_names``); the router
         learns the pages the worker now holds. The KV handed over starts after the pages
         ``reserved`` on decode; if prefill fails, that reservation is released.
         ``l3_pages``: the leading pages of ``names`` L3 holds (the worker reads them with
-        no ``exists``); ``None``: what the page index answers when it routes, else none."""
+        no ``exists``); ``None``: what the page index answers when it routes (``asked``:
+        its answer for this attempt, else asked here), else none."""
         self.liveness["prefill"].refresh()
         call = None
         try:
-            route = await self._route_prefill(names, failed) if pinned is None else None
+            route = await self._route_prefill(names, failed, asked) if pinned is None \
+                else None
             worker = pinned if route is None else route.worker
             self._check_worker("prefill_worker", worker, self.prefill)
             self.prefill_router.begin(worker)

@@ -63,9 +63,13 @@ class PrefixRouter:
                                f"excluded: {sorted(exclude)})")
         return out
 
-    def pick(self, names: Sequence[bytes], exclude: Sequence[int] = ()) -> Route:
-        """Longest match first, then least load, then lowest id; overloaded -> least load."""
-        routes = [Route(w, self.matched(w, names)) for w in self.live(exclude)]
+    def pick(self, names: Sequence[bytes], exclude: Sequence[int] = (),
+             known: Sequence[int] = ()) -> Route:
+        """Longest match first, then least load, then lowest id; overloaded -> least load.
+        ``known``: per worker, the leading pages it holds as another source says (a page
+        index), where more than this router knows."""
+        routes = [Route(w, max(self.matched(w, names), known[w] if known else 0))
+                  for w in self.live(exclude)]
         best = min(routes, key=lambda r: (-r.matched_pages, self.loads[r.worker], r.worker))
         idle = min(routes, key=lambda r: (self.loads[r.worker], -r.matched_pages, r.worker))
         if self.loads[best.worker] - self.loads[idle.worker] > self.balance_threshold:

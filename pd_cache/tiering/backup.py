@@ -77,8 +77,15 @@ class BackupWriter:
         snapshot = pages.detach().to("cpu", copy=copy)
         kept = {i: s.detach().to("cpu", copy=True) for i, s in (states or {}).items()
                 if 0 <= i < len(names)}
-        job = self._writer.submit(self._write, req, chain, tokens, snapshot, kept, skip_stored,
-                                  kind, kinds)
+        # NOTE: from now on this worker vouches for these pages (``held_after``): a request
+        # whose local hit they are tells decode's offload not to write them again.
+        self.link.held.writing(chain.names)
+        try:
+            job = self._writer.submit(self._write, req, chain, tokens, snapshot, kept,
+                                      skip_stored, kind, kinds)
+        except BaseException:
+            self.link.held.written(chain.names)
+            raise
         with self._lock:
             self._pending = [f for f in self._pending if not f.done()] + [job]
         return job
@@ -104,6 +111,8 @@ class BackupWriter:
         except Exception:  # noqa: BLE001 - a background write never takes the worker down
             log.exception("request %s: L3 %s failed", req.rid, kind)
             self.stats.count(kind, FAILED_BATCH)
+        finally:
+            self.link.held.written(chain.names)
         self.link.observe("backup", stored, len(chain.names) - start, started)
 
     def _write_batch(self, req: Req, chain: Chain, lo: int, batch: list[bytes],

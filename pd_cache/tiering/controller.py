@@ -104,7 +104,9 @@ class CacheController:
         """How many of a prompt's page ``names`` L3 holds once its prefill's write lands:
         all of them if it holds the first ``local`` (the local hit's), as ``l3_pages`` (a
         page index's count, unless the read found it ``stale``) or this worker's memory
-        says, since the prefill read the rest from L3 or writes it; else those known."""
+        says (what it stored, read, or is writing: a hit another request computed here a
+        moment ago), since the prefill read the rest from L3 or writes it; else those
+        known."""
         known = self.link.held.prefix(names[:local])
         if l3_pages is not None and not stale:
             known = max(known, min(l3_pages, local))

@@ -10,8 +10,9 @@ before the batch, rebuilt per batch as ``prefix = prefix + batch``: a list alrea
 to a backend is never mutated.
 
 ``held`` remembers the names this worker stored in L3 or read from it (the most recent
-``HeldNames.capacity``), so with no page index a prefill can still tell decode which of
-its prompt's pages L3 holds, and decode's offload need not ask.
+``HeldNames.capacity``) and those its queued writes will store, so with no page index a
+prefill can still tell decode which of its prompt's pages L3 holds (a prompt whose local hit
+another request computed moments ago included), and decode's offload need not ask.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 
 from pd_cache.core.config import KVLayout, StorageConfig
@@ -34,12 +35,14 @@ log = logging.getLogger("pd_cache.tiering")
 
 
 class HeldNames:
-    """The last ``capacity`` page names this worker saw L3 hold (acknowledged or read);
-    thread-safe. A hint: L3 may have evicted one since (a gap costs a recompute)."""
+    """The last ``capacity`` page names this worker saw L3 hold (acknowledged or read), and
+    those its writes under way will store (``writing``); thread-safe. A hint: L3 may have
+    evicted one since, or refuse a write (a gap costs a recompute)."""
 
     def __init__(self, capacity: int = 1 << 16) -> None:
         self.capacity = capacity
         self._names: OrderedDict[bytes, None] = OrderedDict()
+        self._writing: Counter[bytes] = Counter()
         self._lock = threading.Lock()
 
     def add(self, names: Sequence[bytes]) -> None:
@@ -50,10 +53,24 @@ class HeldNames:
             while len(self._names) > self.capacity:
                 self._names.popitem(last=False)
 
-    def prefix(self, names: Sequence[bytes]) -> int:
-        """How many of ``names``, from the first, are held."""
+    def writing(self, names: Sequence[bytes]) -> None:
+        """A write of ``names`` is under way: they count as held until ``written``."""
         with self._lock:
-            return next((i for i, n in enumerate(names) if n not in self._names), len(names))
+            self._writing.update(names)
+
+    def written(self, names: Sequence[bytes]) -> None:
+        """The write of ``names`` ended (the pages it stored were ``add``ed first)."""
+        with self._lock:
+            self._writing.subtract(names)
+            for name in names:
+                if self._writing[name] <= 0:
+                    del self._writing[name]
+
+    def prefix(self, names: Sequence[bytes]) -> int:
+        """How many of ``names``, from the first, are held or being written."""
+        with self._lock:
+            return next((i for i, n in enumerate(names)
+                         if n not in self._names and n not in self._writing), len(names))
 
 
 class StorageLink:

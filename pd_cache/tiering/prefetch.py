@@ -9,9 +9,9 @@ miss (``not_stored``, or ``stale_index`` when an index said L3 held it). A page 
 not arrive in time, does not verify, or is missing ends the prefetch there: the pages
 after it are recomputed. Without an index, host slots are taken only for the verified
 pages, so a miss evicts nothing from L2; with one, they are taken before the read and a
-store that can (sealed L3) opens each record straight into its slot. A hybrid model
-without an index still asks ``exists`` first (its resume point is the hit's last page,
-whose state the read must ask for).
+store that can (sealed L3) opens each record straight into its slot, and ``best_effort``
+waits for them as ``timeout`` does. A hybrid model without an index still asks ``exists``
+first (its resume point is the hit's last page, whose state the read must ask for).
 
 A hybrid model's batches end at the pages where a recurrent state may be kept (every
 ``state_every`` pages, and the last page of the hit); each such batch is one
@@ -53,8 +53,7 @@ class Prefetched:
 
     ``cross_namespace`` counts records refused because another namespace produced them.
     ``states`` (hybrid models): the verified recurrent state after page ``i`` of the
-    landed pages, for each ``i`` where one was found. ``stale``: a page a page index said L3
-    held was not there.
+    landed pages, where one was found. ``stale``: a page an index said L3 held was not.
     """
 
     def __init__(self, pool: PagePool, slots: list[int], owner: str,
@@ -106,11 +105,8 @@ class Prefetcher:
         ``exists`` is asked: the get is the lookup. ``l3_pages`` (a page index's answer:
         how many leading pages of the request's chain L3 holds) reads only the pages below
         it, and one the shard no longer holds is a ``stale_index`` miss; ``None`` reads
-        every page of ``names`` the host pool could hold. Host slots are taken only for
-        the pages that arrived and verified, so a miss evicts nothing from L2.
-        Returns the pages that landed, verified, in order; the caller reads them and calls
-        ``release``.
-        """
+        every page of ``names`` the host pool could hold (the wait: ``policy``). Returns
+        the pages that landed, verified, in order; the caller reads them and ``release``s."""
         owner, started = f"prefetch:{req.rid}", time.perf_counter()
         chain = Chain.of(req, names, prefix, algo=self.link.algo)
         asked = self._asked(req, chain, l3_pages)
@@ -126,8 +122,8 @@ class Prefetcher:
         try:
             if asked:
                 reason = self._load(req, chain._replace(names=chain.names[:asked]),
-                                    policy or self.config.prefetch_policy, refused, states,
-                                    good, stale=l3_pages is not None, into=into)
+                                    self.policy(policy, l3_pages), refused, states, good,
+                                    stale=l3_pages is not None, into=into)
         except Exception as e:  # noqa: BLE001 - a malformed answer is a miss, never a failure
             self.link.fault(req, "prefetch", MissReason.STORAGE_ERROR, e, asked)
             good, reason = [], MissReason.STORAGE_ERROR
@@ -167,6 +163,12 @@ class Prefetcher:
         if self.link.has_state and chain.names:
             return self.link.query(req, chain, count=False)
         return min(len(chain.names), self.host.capacity)
+
+    def policy(self, policy: str | None, l3_pages: int | None) -> str:
+        """``policy``, else the config's; ``best_effort`` waits as ``timeout`` does for what
+        a page index vouches for (``l3_pages``): a bounded wait beats a recompute."""
+        policy = policy or self.config.prefetch_policy
+        return "timeout" if policy == "best_effort" and l3_pages is not None else policy
 
     def deadline(self, policy: str, num_tokens: int) -> float | None:
         """When the policy stops waiting (``time.monotonic()`` scale); ``None``: no wait."""
@@ -212,15 +214,13 @@ class Prefetcher:
         """Indexes of ``chain.names`` whose state the read path asks for (hybrid only)."""
         if not self.link.has_state or not chain.names:
             return set()
-        every, before = self.link.state_every, len(chain.prefix)
-        return {i for i in range(len(chain.names)) if (before + i + 1) % every == 0} | \
-            {len(chain.names) - 1}
+        every, before, n = self.link.state_every, len(chain.prefix), len(chain.names)
+        return {i for i in range(n) if (before + i + 1) % every == 0} | {n - 1}
 
     def _submit_get(self, batch: list[bytes], with_state: bool, info: Any,
                     rows: list[torch.Tensor] | None = None) -> Pending[Answer] | Exception:
-        """One batch's get: the KV pool alone (the v1 call; opened straight into ``rows``
-        when given), or KV and, as a trailing sidecar, the state of its last page
-        (``batch_get_v2``)."""
+        """One batch's get: its KV (the v1 call; opened straight into ``rows`` if given),
+        or KV and, as a trailing sidecar, its last page's state (``batch_get_v2``)."""
         storage = self.link.storage
         try:
             if not with_state and rows is not None:
@@ -252,6 +252,7 @@ class Prefetcher:
                 if record is None and isinstance(pending, Pending):
                     reason = _missing_reason(pending, stale)
                 self.stats.count(Event.MISS, reason, len(batch) - i)
+                self.link.held.add(batch[:i])   # what it did read: L3 holds it
                 return reason
             good.append(record.payload(KV_POOL))
         self.link.held.add(batch)
@@ -340,9 +341,8 @@ def _padded(pages: list[Any] | None, n: int) -> list[Any]:
 
 
 def _missing_reason(pending: Pending[Any], stale: bool) -> MissReason:
-    """Why an asked-for record came back as ``None``: a shard fault, a wait that ran out
-    (the call is still not done), or the store not having it (any more; ``stale``: a page
-    index said it did)."""
+    """Why an asked-for record came back as ``None``: a shard fault, a wait that ran out,
+    or the store not having it (any more; ``stale``: a page index said it did)."""
     if pending.faults:
         return pending.faults[0].reason
     if not pending.done():

@@ -1,6 +1,6 @@
 """The cluster page index on a real PD cluster: KV events from every worker and L3 shard,
-routing from it shared by two fronts, and its faults (the index killed under load, a worker
-restarted).
+routing from it shared by two fronts (prefill, and decode to the worker keeping a prefix),
+and its faults (the index killed under load, a worker restarted).
 
 Central checks: every answer is the no-cache model's, no request fails, and every slot and
 lock is back with the cache once a scenario ends.
@@ -26,7 +26,7 @@ from tests.integration.clusters import assert_idle, expected, started, wait_heal
 ray = pytest.importorskip("ray")
 
 PS = 4
-CONFIG = ClusterConfig(num_prefill=2, num_decode=1, num_storage=1, model="tiny", page_size=PS,
+CONFIG = ClusterConfig(num_prefill=2, num_decode=2, num_storage=1, model="tiny", page_size=PS,
                        device_pages=64, host_pages=128, storage_timeout_s=5.0,
                        index_shards=1, index_timeout_s=0.5)
 VOCAB = CONFIG.pd_config.model.vocab_size
@@ -118,5 +118,28 @@ def test_index_routes_two_fronts_alike_survives_its_kill_and_drops_a_restarted_w
     wait_healthy(cluster, "prefill", 1)
     until(lambda: (a := lookup(cluster, first)) and "prefill-1" not in a.workers
           and a.l3_pages == full, "prefill-1's old entries dropped")
+    cluster.flush()
+    assert_idle(cluster)
+
+
+def test_a_front_with_no_hints_decodes_where_the_index_says_the_prefix_is_kept(
+        cluster: PDCluster) -> None:
+    model = Model(CONFIG.pd_config.model)
+    first = prompt_reqs(5, 1)[0]
+    out = cluster.generate(first, decode_worker=1)      # decode-1 keeps prompt and answer
+    assert out.output_ids == expected(model, first)
+    rng = random.Random(6)
+    turn = Req(rid="i5-turn", input_ids=first.input_ids + out.output_ids
+               + [rng.randrange(VOCAB) for _ in range(7)], cache_salt="t", max_new_tokens=4)
+    kept = len(first.input_ids) // PS                   # at least its prompt's full pages
+    until(lambda: (a := lookup(cluster, turn)) and (hit := a.workers.get("decode-1"))
+          and hit.pages >= kept, "the index learns what decode-1 keeps")
+    second = PDCluster(CONFIG, cluster.prefill, cluster.decode, cluster.storage,
+                       cluster.index_actors)
+    names = second.router_names(turn)
+    assert second.decode_router.pick(names) == (0, 0)   # its hints alone: by load
+    done = second.generate(turn)
+    assert done.decode_worker == 1 and done.pages_kept >= kept
+    assert done.output_ids == expected(model, turn) and second.routed["index"] == 1
     cluster.flush()
     assert_idle(cluster)

@@ -108,16 +108,15 @@ def test_a_queue_within_the_balance_costs_nothing_beyond_it_each_request_does() 
     assert cost(found, "prefill-1", 50, 1, w) == pytest.approx(10 * 2.0 + 25.0)
 
 
-def test_best_effort_prices_an_l3_page_as_recomputed() -> None:
-    waits = RouteWeights.of(ClusterConfig(prefetch_policy="wait_complete"))
-    assert (waits.l3_ms, waits.balance) == (0.3, 2)
-    best_effort = RouteWeights.of(ClusterConfig(prefetch_policy="best_effort"))
-    assert best_effort.l3_ms == best_effort.compute_ms == 2.0
-    # worker 0 holds the prompt on host with one request beyond the balance; L3 holds it all
-    found = IndexAnswer({"prefill-0": WorkerHit(0, 32)}, 32)
-    loads = [3, 0]
-    assert pick(found, "prefill", 32, loads, [0, 1], waits).worker == 1      # L3 is cheap
-    assert pick(found, "prefill", 32, loads, [0, 1], best_effort).worker == 0
+def test_an_l3_page_is_priced_as_a_load_under_every_policy() -> None:
+    # prefill waits for the pages the index vouches for, under best_effort too
+    for policy in ("wait_complete", "best_effort"):
+        w = RouteWeights.of(ClusterConfig(prefetch_policy=policy))
+        assert (w.l3_ms, w.balance) == (0.3, 2)
+        # worker 0 holds the prompt on host with one request beyond the balance; L3 has it
+        found = IndexAnswer({"prefill-0": WorkerHit(0, 32)}, 32)
+        assert pick(found, "prefill", 32, [3, 0], [0, 1], w).worker == 1    # L3 is cheap
+        assert pick(found, "prefill", 32, [2, 0], [0, 1], w).worker == 0    # within balance
 
 
 def test_a_prompt_no_worker_holds_goes_to_the_least_loaded_then_home() -> None:

@@ -70,3 +70,20 @@ def test_a_conversation_goes_back_to_its_decode_worker_until_its_batch_is_full()
     assert r.pick(names) == (1, 4)   # 3 in its batch, 0 elsewhere: still worker 1
     r.begin(1)
     assert r.pick(names) == (0, 0)   # a full batch of 4 more than the idle one: elsewhere
+
+
+def test_a_decode_worker_another_front_filled_is_found_from_the_page_index() -> None:
+    from pd_cache.cluster.index_route import held_by
+    from pd_cache.core.events import IndexAnswer, WorkerHit
+
+    r = PrefixRouter(3, capacity_pages=64, balance_threshold=2)
+    names = [bytes([i]) * 16 for i in range(6)]
+    r.record(0, names[:2])                              # this front's hints: worker 0, 2 pages
+    found = IndexAnswer({"decode-2": WorkerHit(3, 2), "prefill-2": WorkerHit(6, 0)}, 6)
+    known = held_by(found, "decode", 3)
+    assert known == [0, 0, 5] and held_by(None, "decode", 3) == [0, 0, 0]
+    assert r.pick(names) == (0, 2) and r.pick(names, known=known) == (2, 5)
+    for _ in range(3):
+        r.begin(2)
+    assert r.pick(names, known=known) == (0, 2)         # overloaded: the balance still rules
+    assert r.pick(names, exclude=[0], known=known) == (1, 0)

@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 
+from pd_cache.core.config import PDCacheConfig
 from pd_cache.core.hashing import page_hashes
 from pd_cache.core.request import Req
 from pd_cache.core.vocab import PREFETCH_ACK, PREFETCH_BATCH, Event, MissReason
@@ -119,13 +120,19 @@ def test_a_call_that_times_out_is_a_miss_and_the_request_completes() -> None:
 
 # -- policies ---------------------------------------------------------------------------------
 
+def late(cfg: PDCacheConfig, p: list[int], page: int, after_s: float) -> Delayed:
+    """A store holding prompt ``p`` whose batch starting at ``page`` answers ``after_s``
+    seconds from now."""
+    store = filled_store(cfg, [Req(rid="d", input_ids=p, max_new_tokens=1)])
+    slow = Delayed(store, {page_hashes(p, PS)[page]})
+    threading.Timer(after_s, slow.gate.set).start()
+    return slow
+
+
 def test_wait_complete_waits_for_every_batch() -> None:
     cfg = config(batch=3, policy="wait_complete")
     p = prompt(4, 42)
-    store = filled_store(cfg, [Req(rid="d", input_ids=p, max_new_tokens=1)])
-    names = page_hashes(p, PS)
-    slow = Delayed(store, {names[6]})
-    threading.Timer(0.2, slow.gate.set).start()
+    slow = late(cfg, p, 6, 0.2)
     engine = LocalEngine(cfg, storage=slow)
     result = engine.generate(Req(rid="r", input_ids=p, max_new_tokens=2))
     assert result.cached_tokens["storage"] == 10 * PS
@@ -179,6 +186,22 @@ def test_best_effort_never_waits() -> None:
     assert "result-before-done" not in slow.log
     assert result.output_ids == reference(engine, r)
     slow.gate.set()
+    assert_clean(engine)
+    engine.close()
+
+
+def test_best_effort_waits_as_timeout_for_pages_a_page_index_vouches_for() -> None:
+    cfg = config(batch=3, policy="best_effort", prefetch_timeout_base_s=2.0)
+    p = prompt(6, 42)
+    slow = late(cfg, p, 3, 0.1)
+    engine = LocalEngine(cfg, storage=slow)
+    r = Req(rid="r", input_ids=p, max_new_tokens=3)
+    out = engine.prefill(r, l3_pages=10)                # the index: L3 holds 10 pages
+    assert out.cached_tokens["storage"] == 10 * PS      # the late batch was waited for
+    assert "result-before-done" in slow.log
+    assert engine.decode(r, out.kv_pages, out.num_prompt_tokens, out.first_token, out.state,
+                         out.page_names, out.l3_pages) == reference(engine, r)
+    assert engine.flush(10)
     assert_clean(engine)
     engine.close()
 

@@ -12,6 +12,7 @@ from pd_cache.storage.seal import SealedStorage, Sealer
 from pd_cache.worker.engine import LocalEngine
 from tests.unit.tiering.fakes import (
     PS,
+    SetGate,
     Wrapper,
     assert_clean,
     config,
@@ -164,3 +165,47 @@ def test_a_record_that_does_not_open_is_one_miss_by_its_reason_not_also_absent()
     assert engine.flush(10)
     for e in (writer, engine):
         e.close()
+
+
+def test_a_hit_whose_write_is_still_queued_is_not_offloaded_again() -> None:
+    cfg = config(batch=16, policy="wait_complete")
+    store = SetGate(make_backend(cfg.storage, cfg.layout))
+    engine = LocalEngine(cfg, storage=store)
+    head = prompt(39, 40)                                # 10 pages, computed by the first
+    first = engine.prefill(Req(rid="a", input_ids=head + prompt(40, 9), max_new_tokens=1))
+    r = Req(rid="b", input_ids=head + prompt(41, 9), max_new_tokens=5)
+    out = engine.prefill(r)                              # a's write-through not landed yet
+    assert out.cached_tokens["device"] == 40
+    assert out.l3_pages == len(out.page_names)           # queued before b's own write
+    engine.decode(r, out.kv_pages, out.num_prompt_tokens, out.first_token, out.state,
+                  out.page_names, out.l3_pages)
+    store.gate.set()
+    assert engine.flush(10) and r.output_ids == reference(engine, r)
+    written = [keys for op, keys, *_ in store.calls if op == "set"]
+    assert written[0] == list(first.page_names) and written[1] == list(out.page_names[10:])
+    assert not set(written[2]) & set(out.page_names)     # decode: generated pages only
+    assert store.inner.batch_exists(list(out.page_names)) == len(out.page_names)
+    assert_clean(engine)
+    engine.close()
+
+
+def test_a_turn_read_partly_from_l3_vouches_for_what_it_read() -> None:
+    cfg = config(batch=128, policy="wait_complete")
+    store = Wrapper(make_backend(cfg.storage, cfg.layout))
+    prefill, decode = LocalEngine(cfg, storage=store), LocalEngine(cfg, storage=store)
+    ids = prompt(42, 40)
+    for turn in range(3):                                # decode offloads each answer page
+        r = Req(rid=f"t{turn}", input_ids=ids + prompt(43 + turn, 12), max_new_tokens=5)
+        out = prefill.prefill(r)   # turns 1, 2: one get of the rest reads the answer's page
+        assert out.cached_tokens["storage"] == (PS if turn else 0)
+        assert out.l3_pages == len(out.page_names)       # it wrote or read every one
+        ids = r.input_ids + decode.decode(r, out.kv_pages, out.num_prompt_tokens,
+                                          out.first_token, out.state, out.page_names,
+                                          out.l3_pages)
+        assert prefill.flush(10) and decode.flush(10)
+        assert ids[len(r.input_ids):] == reference(decode, r)
+    assert decode.stats.get("offload", "prompt") == 0    # decode wrote no prompt page again
+    assert store.inner.batch_exists(page_hashes(ids, PS)) == (len(ids) - 1) // PS
+    for engine in (prefill, decode):
+        assert_clean(engine)
+        engine.close()
