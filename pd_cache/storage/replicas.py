@@ -8,9 +8,9 @@ is a plain ``StorageClient`` (the shard calls and their faults are its own)::
     set     every rank at once; acknowledged per page as soon as one rank stored it, the
             others followed up later (counted; a copy that failed is under-replicated)
     exists  every rank at once; a page is held if one rank holds it
-    get     rank 0; what it missed (or failed to verify) from rank 1, if rank 1 holds it
-            (asked at once, with an exists), and so on; a page a later rank served is
-            written back to the earlier ranks that lacked it, in the background (a repair)
+    get     rank 0; what it missed (or failed to verify) from rank 1 once rank 0 answered,
+            and so on; a page a later rank served is written back to the earlier ranks that
+            lacked it, in the background (a repair)
 
 So a memory shard restarted empty refills lazily, from the reads that reach it; and
 eagerly with ``PDCluster.rebuild_storage`` (``storage.rebuild``). A purge, a key retirement
@@ -110,11 +110,11 @@ class ReplicatedClient(SubmittedBackend):
                       extra_info: ExtraInfo | None = None) -> Pending[list[PoolTransfer]]:
         self.settle()
         first = self.primary.submit_get_v2(transfers, extra_info)
-        # NOTE: the later ranks are asked what they hold at once (an exists: no pages move),
-        # so a page no copy holds (a new prompt's) costs no second round trip.
-        held = [r._exists(transfers, extra_info, presence) for r in self.ranks[1:]]
-        return _ReadOn(first, lambda got, timeout: self._read_on(got, held, extra_info,
-                                                                 timeout))
+        # NOTE: the later ranks are asked only for what rank 0 missed, once it answered: a
+        # hit costs one call, as with one copy (an exists sent to them at once, so that a
+        # page no copy holds cost no second round trip, made a read 1.29x one copy's); a
+        # page index keeps reads to what L3 holds, so the second round trip is rare.
+        return _ReadOn(first, lambda got, timeout: self._read_on(got, extra_info, timeout))
 
     def submit_set_v2(self, transfers: Sequence[PoolTransfer],
                       extra_info: ExtraInfo | None = None) -> Pending[list[list[bool]]]:
@@ -189,21 +189,20 @@ class ReplicatedClient(SubmittedBackend):
         if self.metrics is not None and (add or drop):
             self.metrics.set_under_replicated(n)
 
-    def _read_on(self, got: list[PoolTransfer], held: list[Pending[list[list[bool]]]],
-                 info: ExtraInfo | None, timeout: float | None) -> list[PoolTransfer]:
-        """``got`` (rank 0's answer) completed from the later ranks (each asked for what it
-        said it ``held``), and the earlier ranks repaired from what the later ones served."""
+    def _read_on(self, got: list[PoolTransfer], info: ExtraInfo | None,
+                 timeout: float | None) -> list[PoolTransfer]:
+        """``got`` (rank 0's answer) completed from the later ranks (each asked for what
+        the ranks before it missed), and the earlier ranks repaired from what the later ones
+        served."""
         pages = [list(t.pages or [None] * len(t.keys)) for t in got]
         chained = info is not None and info.prefix_keys is not None
         lacked: list[list[list[bool]]] = []   # per rank asked: which keys it did not serve
-        for rank, has in zip(self.ranks[1:], held):
+        for rank in self.ranks[1:]:
             need = missing([PoolTransfer(t.pool, t.keys, p) for t, p in zip(got, pages)])
             lacked.append(need)
             if not any(map(any, need)):
                 break
-            there = has.result(timeout)
-            asked = parts(got, [[n and h for n, h in zip(ns, hs)] for ns, hs in
-                                zip(need, there)], chained)
+            asked = parts(got, need, chained)
             calls = [rank.submit_get_v2(*part_call(got, p, info)) for p in asked]
             for part, call in zip(asked, calls):
                 for i, page in zip(part.positions, call.result(timeout)[0].pages or []):

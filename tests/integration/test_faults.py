@@ -175,11 +175,11 @@ def test_a_decode_worker_killed_between_its_reservation_and_the_handoff(
     prefill, answered = cluster._prefill, []
 
     async def kill_once_reserved(req: Req, names: Any, pinned: Any, failed: Any = (),
-                                 reserved: Any = None) -> Any:
+                                 reserved: Any = None, **route: Any) -> Any:
         if reserved.worker == victim and not answered:
             answered.append(await reserved.call)
             os.kill(pid, signal.SIGKILL)
-        return await prefill(req, names, pinned, failed, reserved)
+        return await prefill(req, names, pinned, failed, reserved, **route)
     cluster._prefill = kill_once_reserved   # type: ignore[method-assign]
     try:
         out2 = cluster.generate(turn2)

@@ -125,16 +125,20 @@ def test_a_dead_first_copy_still_acknowledges_and_serves_and_counts_what_it_lack
     assert rebuild(client, bytes_per_s=1e12).pages == 0
 
 
-def test_a_page_no_copy_holds_costs_no_second_get() -> None:
+def test_a_read_the_first_copy_serves_asks_no_other_copy() -> None:
     client, _ = replicated(set())
     chain = Chain(LAYOUT, 6, seed=5)
     info = ExtraInfo(prefix_keys=[], namespace_seed=chain.seed)
     asked: list[Any] = []
-    later = client.ranks[1].submit_get_v2
+    later, held = client.ranks[1].submit_get_v2, client.ranks[1]._exists
     client.ranks[1].submit_get_v2 = lambda *a: asked.append(a) or later(*a)  # type: ignore
-    assert client.batch_get(chain.names, info) == [None] * 6   # a new prompt's pages
-    assert asked == [] and client.counts().get("repairs_sent", 0) == 0
-    assert client.batch_set(chain.names[:3], chain.records[:3], info) == [True] * 3
-    assert [g is not None for g in client.batch_get(chain.names, info)] == [True] * 3 + \
-        [False] * 3
-    assert asked == []   # the first copy served all there was
+    client.ranks[1]._exists = lambda *a: asked.append(a) or held(*a)        # type: ignore
+    assert client.batch_set(chain.names, chain.records, info) == [True] * 6
+    client.settle(wait=True)
+    assert [g is not None for g in client.batch_get(chain.names, info)] == [True] * 6
+    assert asked == []   # one call, as with one copy
+    new = Chain(LAYOUT, 6, seed=6)   # a new prompt's pages: no copy holds them
+    assert client.batch_get(new.names, ExtraInfo(prefix_keys=[], namespace_seed=new.seed)) \
+        == [None] * 6
+    assert len(asked) == 1   # the second copy asked once, for what the first missed
+    assert client.counts().get("repairs_sent", 0) == 0
