@@ -10,6 +10,7 @@ import pickle
 import subprocess
 import sys
 
+import msgspec
 import pytest
 import torch
 
@@ -48,7 +49,10 @@ def test_another_process_maps_the_arena_and_writes_a_slot() -> None:
             "a = Arena.attach(info)\na.view(2)[:5].copy_(__import__('torch').tensor("
             "list(b'hello'), dtype=__import__('torch').uint8))\na.set_word(2, 7)\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    subprocess.run([sys.executable, "-c", code], input=pickle.dumps(arena.info), check=True,
+    # NOTE: the child is no Ray process, so it names this machine by its boot id alone; this
+    # process is one when the suite's Ray cluster is up (its node then carries Ray's id too)
+    info = msgspec.structs.replace(arena.info, node=this_node().split("/")[0])
+    subprocess.run([sys.executable, "-c", code], input=pickle.dumps(info), check=True,
                    env=env, timeout=60)
     assert bytes(arena.view(2)[:5].numpy()) == b"hello" and arena.word(2) == 7
     with pytest.raises(OSError):   # a descriptor that is not this arena's
