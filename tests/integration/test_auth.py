@@ -163,10 +163,11 @@ def _assert_http_on_loopback(output: str, pids: set[int], dashboard: bool) -> No
 @pytest.mark.parametrize("argv, ready, sig, group, code", [
     (["serve", "{config}", "--port", "{port}", "--dashboard"], "serving; ", signal.SIGTERM,
      False, 0),
-    # NOTE: long enough to be running when the signal comes (40 rounds of one client ran
-    # out first, at 0.02-0.07 s a round); the prompts stay within tiny's 1,024 tokens
+    # NOTE: long enough to be running when the signal comes, after the checks of the cluster's
+    # processes (they scan every process on the machine: in one fresh-clone suite 150 rounds
+    # of 4 clients, 16.5 s, ended first); 16 conversations within tiny's 1,024 tokens
     (["run", "--model", "tiny", "--num-prefill", "1", "--num-decode", "1", "--num-storage", "0",
-      "--tenants", "1", "--clients", "4", "--rounds", "150", "--system-tokens", "8",
+      "--tenants", "4", "--clients", "4", "--rounds", "150", "--system-tokens", "8",
       "--user-tokens", "4", "--output-tokens", "2"], "round 1/", signal.SIGINT, True, 130),
 ], ids=["serve-sigterm", "run-ctrl-c"])
 def test_a_stopped_command_leaves_no_ray_process(tmp_path: Path, argv: list[str], ready: str,
