@@ -108,12 +108,19 @@ def _cluster_of(command: subprocess.Popen[str]) -> tuple[str, set[Any]]:
     return path, set(family) | {p for p in psutil.process_iter() if _token_path(p) == path}
 
 
+def _interruptible() -> None:
+    """Ctrl-C reaches the command as at a terminal, even when this suite was started in the
+    background of a shell (which ignores SIGINT, and ignored signals are inherited: Python
+    then never raises KeyboardInterrupt)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start(argv: list[str], home: Path, ready: str) -> tuple[subprocess.Popen[str], list[str]]:
     home.mkdir()
     command = subprocess.Popen([sys.executable, "-m", "pd_cache.app.cli", *argv], cwd=ROOT,
                                env=_clean_env(HOME=str(home)), text=True,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               start_new_session=True)
+                               start_new_session=True, preexec_fn=_interruptible)
     lines: list[str] = []
     seen = threading.Event()
 
