@@ -47,8 +47,8 @@ class BackupWriter:
     def backup(self, req: Req, names: Sequence[bytes], tokens: Sequence[int],
                pages: torch.Tensor, prefix: Sequence[bytes] = (), *, skip_stored: bool = False,
                kind: str = BACKUP, page_kinds: Sequence[str] | None = None,
-               copy: bool = True,
-               states: Mapping[int, torch.Tensor] | None = None) -> Future[None]:
+               copy: bool = True, states: Mapping[int, torch.Tensor] | None = None,
+               pinned: int | None = None) -> Future[None]:
         """Write pages ``names`` (KV ``pages[i]``, ``tokens`` of all of them) to L3 later.
 
         ``prefix`` names the chain's pages before ``names``. With ``skip_stored`` the pages
@@ -64,6 +64,10 @@ class BackupWriter:
         ``states`` (hybrid models) maps an index of ``names`` to the recurrent state after
         that page: the write's checkpoints, each stored with the batch it ends. They are
         always copied (a decoding state changes in place).
+
+        ``pinned``: how many of ``names``, from the first, carry the request's pin (its
+        prompt's pages; ``None``: all of them). Batches end where they stop, so no page
+        past them is stored pinned.
         """
         names, tokens = list(names), list(tokens)
         ps = self.link.page_size
@@ -82,7 +86,7 @@ class BackupWriter:
         self.link.held.writing(chain.names)
         try:
             job = self._writer.submit(self._write, req, chain, tokens, snapshot, kept,
-                                      skip_stored, kind, kinds)
+                                      skip_stored, kind, kinds, pinned)
         except BaseException:
             self.link.held.written(chain.names)
             raise
@@ -92,18 +96,19 @@ class BackupWriter:
 
     def _write(self, req: Req, chain: Chain, tokens: list[int], pages: torch.Tensor,
                states: dict[int, torch.Tensor], skip_stored: bool, kind: str,
-               kinds: list[str] | None) -> None:
+               kinds: list[str] | None, pinned: int | None) -> None:
         started, start, stored = time.perf_counter(), len(chain.names), 0
+        pinned = len(chain.names) if pinned is None or not req.pin_ttl_s else pinned
         try:
             start = self.link.query(req, chain, count=False) if skip_stored else 0
             prefix = self.link.start_prefix(chain)
             prefix = None if prefix is None else prefix + chain.names[:start]
-            ends = {i - start for i in states if i >= start}
+            ends = {i - start for i in [*states, pinned - 1] if i >= start}
             for run in runs(len(chain.names) - start, self.link.config.batch_pages, ends):
                 lo, hi = start + run.start, start + run.stop
                 batch = chain.names[lo:hi]
                 done = self._write_batch(req, chain, lo, batch, tokens, pages, prefix, kind,
-                                         kinds, states.get(hi - 1))
+                                         kinds, states.get(hi - 1), pin=hi <= pinned)
                 stored += done
                 if done < len(batch):
                     break
@@ -118,9 +123,9 @@ class BackupWriter:
     def _write_batch(self, req: Req, chain: Chain, lo: int, batch: list[bytes],
                      tokens: list[int], pages: torch.Tensor, prefix: list[bytes] | None,
                      kind: str, kinds: list[str] | None,
-                     state: torch.Tensor | None) -> int:
-        """Store one batch (and the state of its last page, when given); how many of its
-        pages, from the first, L3 acknowledged."""
+                     state: torch.Tensor | None, *, pin: bool) -> int:
+        """Store one batch (and the state of its last page, when given; pinned with
+        ``pin``); how many of its pages, from the first, L3 acknowledged."""
         link = self.link
         records = [self._record(chain, lo + i, tokens, {KV_POOL: pages[lo + i]})
                    for i in range(len(batch))]
@@ -130,7 +135,7 @@ class BackupWriter:
             transfers.append(PoolTransfer(STATE_POOL, batch[-1:], [last]))
         try:
             acks, *state_acks = link.storage.submit_set_v2(
-                transfers, link.info(req, chain, prefix)).result(link.call_timeout_s)
+                transfers, link.info(req, chain, prefix, pin=pin)).result(link.call_timeout_s)
             if state_acks and all(acks) and list(state_acks[0]) == [True]:
                 self.stats.count(kind, STATE)
         except Exception as e:  # noqa: BLE001

@@ -98,9 +98,11 @@ class StorageLink:
         self.page_nbytes = layout.page_nbytes
         self.held = HeldNames()
 
-    def info(self, req: Req, chain: Chain, prefix: list[bytes] | None) -> ExtraInfo:
+    def info(self, req: Req, chain: Chain, prefix: list[bytes] | None, *,
+             pin: bool = True) -> ExtraInfo:
+        """The context of one call; ``pin``: a write of pages the request pins."""
         return ExtraInfo(prefix_keys=prefix, namespace_seed=chain.seed, request_id=req.rid,
-                         tenant=req.tenant, pin_ttl_s=req.pin_ttl_s or None)
+                         tenant=req.tenant, pin_ttl_s=(req.pin_ttl_s or None) if pin else None)
 
     def start_prefix(self, chain: Chain) -> list[bytes] | None:
         """``prefix_keys`` of the chain's first batch (``None``: the feature is off)."""

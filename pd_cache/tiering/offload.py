@@ -16,6 +16,9 @@ Only pages whose every token has KV are written (decode never computes the KV of
 last token it draws). All writes go through the controller's writer (its background
 thread).
 
+A pinning request's writes pin its prompt's pages alone: the generated ones (the page the
+answer completes included) are stored unpinned, as decode's own tree keeps them.
+
 A hybrid model's writes carry the recurrent state at their checkpoint pages (every
 ``state_every`` pages and each write's last page; ``pd_cache.kv.state``): the prompt's
 as prefill handed them over, the generated pages' as decode recorded them.
@@ -133,7 +136,7 @@ class DecodeOffloadManager:
             kv_to_pages(kv[:, :, start * ps:max(full, done) * ps], ps), state.names[:start],
             skip_stored=state.prompt_pending and state.ask, kind=OFFLOAD,
             page_kinds=[PROMPT] * (done - start) + [GENERATED] * len(new), copy=False,
-            states=states)
+            states=states, pinned=done - start)
         state.names = state.names + new
         state.prompt_pending, state.prompt_states = False, None
         return len(new)

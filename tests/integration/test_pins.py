@@ -99,10 +99,10 @@ def admin(url: str, path: str, key: str = "sk-ops-00003") -> tuple[int, dict[str
 def test_a_pinned_system_prompt_outlives_a_flood_within_the_tenants_limit(
         url: str, ray_cluster: Any) -> None:
     model, pinner = Model(MODEL), client(url, "sk-pins-0001")
-    # NOTE: 18 pages (73 tokens): more than half of either pool (16), so refused before
-    # pins counted both tiers. The answer's 2 tokens in KV complete no 19th page: decode's
-    # L3 writes of a pinning request pin the pages they store, the answer's too.
-    pinned = "You are the pinned assistant of acme; answer all questions brief. "
+    # NOTE: 18 pages (75 tokens): more than half of either pool (16), so refused before
+    # pins counted both tiers. The answer's tokens in KV complete a 19th page, which decode
+    # writes to L3 unpinned: only the prompt's pages are the tenant's pins.
+    pinned = "You are the pinned assistant of acme; answer all questions briefly. "
     unpinned = "Zeta's helper answers briefly, always. "   # no first page in common
     assert chat(pinner, pinned, "q0", model, **PIN) == 0
     assert chat(pinner, unpinned, "q0", model) == 0

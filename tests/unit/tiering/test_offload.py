@@ -230,3 +230,26 @@ def test_decode_writes_the_prompt_under_the_names_prefill_handed_over(monkeypatc
     assert decode_side.locks_held() == 0
     prefill_side.close()
     decode_side.close()
+
+
+def test_a_pinning_requests_writes_pin_its_prompts_pages_alone() -> None:
+    """A 10-token prompt (2 full pages) pinned, decoded to 30 tokens one page at a time:
+    the first write sends the prompt's pages pinned and, in a batch of its own, the page
+    the answer completes unpinned; later writes pin nothing."""
+    cfg = config(batch=8)
+    store = Wrapper(make_backend(cfg.storage, cfg.layout))
+    engine = LocalEngine(cfg, storage=store)
+    manager = DecodeOffloadManager(engine.controller, stride=PS)
+    seq = prompt(27, 30)
+    kv = engine.model(seq).kv
+    r = Req(rid="r", input_ids=seq[:10], cache_salt="t", max_new_tokens=20, pin_ttl_s=60)
+    state = manager.offload_kv_cache(r)
+    for n in range(11, 31):
+        manager.advance(state, seq[:n], kv, n, final=n == 30)
+    assert engine.flush(10)
+    names = page_hashes(seq, PS, cache_salt="t")[:7]
+    writes = [(keys, info.pin_ttl_s) for op, keys, info, _ in store.calls if op == "set"]
+    assert writes == [(names[:2], 60), (names[2:3], None)] + [([k], None) for k in names[3:]]
+    assert store.inner.pins.listing("")["names"] == sorted(k.hex() for k in names[:2])
+    assert store.inner.batch_exists(names) == 7
+    engine.close()
