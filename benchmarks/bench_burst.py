@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import random
@@ -35,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from results_io import write_result  # this folder: the tail every benchmark shares
 
 from pd_cache.app.serve import job_runtime_env, load_serve_config
 from pd_cache.app.session import ray_session
@@ -256,9 +256,7 @@ def main() -> None:
               "growth_vs_first": {name: {p: round(g - first["burst_rss_growth_mib"][p], 1)
                                          for p, g in run["burst_rss_growth_mib"].items()}
                                   for name, run in runs.items()}}
-    args.out.parent.mkdir(exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    write_result(args.out, result, show="json")
 
 
 if __name__ == "__main__":

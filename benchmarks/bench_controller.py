@@ -21,7 +21,6 @@ TTFT is ``engine.prefill`` wall time; headline figures use each case's fastest r
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from results_io import write_result  # this folder: the tail every benchmark shares
 
 from pd_cache import (
     CacheConfig,
@@ -217,8 +217,7 @@ def main() -> None:
     print(f"target L3 hit TTFT <= {HIT_TARGET}x cold: {'met' if hit_ok else 'NOT met'}; "
           f"zero-reuse overhead <= {OVERHEAD_TARGET:.0%}: {'met' if over_ok else 'NOT met'}")
     headline = {k: v for k, v in memory.items() if k not in ("samples_s", "counts", "sealed")}
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
+    write_result(RESULTS, {
         "benchmark": "controller_l3", "seed": SEED, "preset": "small",
         "torch_threads": torch.get_num_threads(), "prompt_tokens": PROMPT,
         "cached_tokens": CACHED, "page_size": PAGE, "repeats": args.repeats,
@@ -226,8 +225,7 @@ def main() -> None:
         "targets": {"l3_hit_ttft_ratio": HIT_TARGET, "zero_reuse_overhead": OVERHEAD_TARGET},
         "targets_met": {"l3_hit_ttft_ratio": hit_ok, "zero_reuse_overhead": over_ok},
         "by_backend": results,
-    }, indent=2) + "\n")
-    print(f"wrote {RESULTS.name}")
+    }, show="name")
 
 
 def run_sealed(args: argparse.Namespace, cfg: PDCacheConfig, prompt: list[int]) -> None:
@@ -236,13 +234,10 @@ def run_sealed(args: argparse.Namespace, cfg: PDCacheConfig, prompt: list[int]) 
     if args.ray:
         rows["tier_actor"] = with_ray(
             lambda client: sealed_rows("tier_actor", cfg, client, args.repeats, prompt), cfg)
-    out = RESULTS.with_name("controller_sealed.json")
-    out.write_text(json.dumps({"benchmark": "controller_sealed", "seed": SEED,
-                               "preset": "small", "prompt_tokens": PROMPT,
-                               "cached_tokens": CACHED, "repeats": args.repeats,
-                               "target_sealed_vs_unsealed_ttft": SEALED_TARGET, **rows},
-                              indent=2) + "\n")
-    print(f"wrote {out.name}")
+    write_result(RESULTS.with_name("controller_sealed.json"), {
+        "benchmark": "controller_sealed", "seed": SEED, "preset": "small",
+        "prompt_tokens": PROMPT, "cached_tokens": CACHED, "repeats": args.repeats,
+        "target_sealed_vs_unsealed_ttft": SEALED_TARGET, **rows}, show="name")
 
 
 if __name__ == "__main__":

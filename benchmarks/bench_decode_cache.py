@@ -19,13 +19,13 @@ Writes benchmarks/results/decode_cache.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
 from pathlib import Path
 
 from bench_pd import SEED, measure, workload
+from results_io import write_result  # this folder: the tail every benchmark shares
 
 from pd_cache import ClusterConfig
 from pd_cache.app.session import ray_session
@@ -115,8 +115,7 @@ def main() -> None:
                       "ttft_p50_ratio": "<= 1.05"}}
     out["target_met"] = (out["handoff_page_fraction"] <= 0.30
                          and out["throughput_ratio"] >= 0.95 and out["ttft_p50_ratio"] <= 1.05)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(out, indent=2) + "\n")
+    write_result(RESULTS, out, show=None)
     print(f"target met: {out['target_met']}")
     if not all(r["outputs_equal"] for r in rows):
         raise SystemExit("decode cache on and off produced different tokens")

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import json
 import pstats
 import random
 import statistics
@@ -38,6 +37,7 @@ import time
 from pathlib import Path
 
 import torch
+from results_io import write_result  # this folder: the tail every benchmark shares
 
 from pd_cache import CacheConfig, LocalEngine, ModelConfig, PDCacheConfig, Req
 from pd_cache.core.vocab import Tier
@@ -201,15 +201,13 @@ def main() -> None:
           f"{FLOOR_TARGET}x floor (paired medians, device and host): "
           f"{'met' if floor_ok else 'NOT met'} ({vs_floor:.3f}x)")
     summary = {k: v for k, v in head.items() if k != "samples_s"}
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
+    write_result(RESULTS, {
         "benchmark": "engine_ttft", "seed": SEED, "preset": "small",
         "torch_threads": torch.get_num_threads(), "prompt_tokens": PROMPT,
         "cached_tokens": CACHED, "page_size": PAGE, "repeats": args.repeats, **summary,
         "target_ratio": TARGET, "target_met": ok, "floor_target_ratio": FLOOR_TARGET,
         "floor_target_met": floor_ok, "by_write_policy": results,
-    }, indent=2) + "\n")
-    print(f"wrote {RESULTS.name}")
+    }, show="name")
 
 
 if __name__ == "__main__":

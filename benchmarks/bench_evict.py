@@ -15,7 +15,6 @@ fill, gives the cost of the same inserts without any eviction.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
@@ -23,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from results_io import write_result  # this folder: the tail every benchmark shares
 
 from pd_cache.core.config import KVLayout
 from pd_cache.kv import CacheKey, PagePool, RadixCache
@@ -120,9 +120,7 @@ def main() -> None:
               f"{r['scan_median_us']:9.1f} us (scan): {r['scan_over_incremental']:6.1f}x; "
               f"{r['incremental_over_no_eviction']:.2f}x an insert that evicts nothing "
               f"({r['no_eviction_median_us']:.1f} us)")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    write_result(RESULTS, results)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import array
 import hashlib
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import xxhash
+from results_io import write_result  # this folder: the tail every benchmark shares
 
 from pd_cache.core.hashing import namespace_seed, page_hashes
 
@@ -108,9 +108,7 @@ def main() -> None:
     for key in ("vs_sha256_per_page", "vs_python_per_token", "fraction_of_raw_xxh3",
                 "vs_python_per_token_list"):
         results[key] = headline[key]
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    write_result(RESULTS, results)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ the ``hf`` extra.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import tempfile
@@ -26,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+from results_io import write_result  # this folder: the tail every benchmark shares
 
 from pd_cache import CacheConfig, LocalEngine, ModelConfig, PDCacheConfig, Req
 from pd_cache.app.tiny_checkpoint import make_tiny_checkpoint
@@ -114,13 +114,11 @@ def main() -> None:
             engine.close()
     for stat in ("", "median_"):
         print(f"{stat[:-1] or 'min':>6}: " + report(result, stat))
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
+    write_result(RESULTS, {
         "benchmark": "hf_checkpoint_ttft", "seed": SEED, "checkpoint": SHAPE,
         "torch_threads": torch.get_num_threads(), "prompt_tokens": PROMPT,
         "cached_tokens": CACHED, "page_size": PAGE, "repeats": args.repeats, **result,
-    }, indent=2) + "\n")
-    print(f"wrote {RESULTS.name}")
+    }, show="name")
 
 
 if __name__ == "__main__":

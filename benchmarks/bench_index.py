@@ -21,7 +21,6 @@ x 1M pages each.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
@@ -30,6 +29,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from results_io import write_result  # this folder: the tail every benchmark shares
 
 from pd_cache.app.session import ray_session
 from pd_cache.cluster.index import index_actors
@@ -198,9 +199,7 @@ def main() -> None:
     print(f"EventLog.add: {r['add_ns']:.0f} ns a call")
     print(f"64 workers x 1M pages: {x['entries']:,} entries, {x['memory_gib']:.1f} GiB, "
           f"{x['shards_by_memory']:.0f} shards of {x['shard_budget_gib']:.0f} GiB")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(r, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_result(args.out, r)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from results_io import write_result  # this folder: the tail every benchmark shares
+
 SEED = 1234
 NAME = "bench-ingress-kill"
 RESULTS = Path(__file__).parent / "results" / "ingress_kill.json"
@@ -150,9 +152,7 @@ def main() -> None:
 
     with ray_session(None):
         runs = [run(n, args.after_s) for n in (1, 2)]
-    out = {"seed": SEED, "runs": runs}
-    RESULTS.write_text(json.dumps(out, indent=2) + "\n")
-    print(json.dumps(out, indent=2))
+    write_result(RESULTS, {"seed": SEED, "runs": runs}, show="json")
 
 
 if __name__ == "__main__":

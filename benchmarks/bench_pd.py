@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import time
 from pathlib import Path
+
+from results_io import write_result  # this folder: the tail every benchmark shares
 
 from pd_cache import ClusterConfig, PDCluster, Req
 from pd_cache.app.bench.runner import run_open_loop
@@ -316,8 +317,7 @@ def main() -> None:
           f"{out['target_met']}")
     print(f"L3 calls per request (at the shards) {on['storage_calls_per_request']:.2f}: "
           + ", ".join(f"{op} {n}" for op, n in on["storage_calls"].items()))
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(out, indent=2) + "\n")
+    write_result(RESULTS, out, show=None)
     if not same:
         raise SystemExit("cache on and off produced different tokens")
 

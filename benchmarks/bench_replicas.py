@@ -23,13 +23,14 @@ Writes benchmarks/results/replicas.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import statistics
 import time
 from pathlib import Path
 from typing import Any
+
+from results_io import write_result  # this folder: the tail every benchmark shares
 
 from pd_cache import ClusterConfig, PDCluster, Req
 from pd_cache.app.bench.workloads import Workload, multi_turn_workload
@@ -132,13 +133,12 @@ def main() -> None:
             by_r = {r: bench(args, r) for r in (2, 1)}
         finally:
             ray.shutdown()
-    results = {"seed": SEED, "workload": {k: v for k, v in vars(args).items()},
+    results = {"seed": SEED, "workload": vars(args),
                "l3_hit_ratio_after_kill": by_r[2]["l3_hit_ratio_after_kill"],
                "l3_hit_ratio_after_kill_r1": by_r[1]["l3_hit_ratio_after_kill"],
                "meets_target": by_r[2]["l3_hit_ratio_after_kill"] >= 0.9,
                "replicas": {str(r): v for r, v in by_r.items()}}
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    write_result(RESULTS, results, show=None)
     print(f"l3_hit_ratio_after_kill {results['l3_hit_ratio_after_kill']:.3f} with 2 copies "
           f"(target >= 0.9: {'met' if results['meets_target'] else 'NOT met'}), "
           f"{results['l3_hit_ratio_after_kill_r1']:.3f} with 1; wrote {RESULTS}")

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import random
 import time
 from pathlib import Path
+
+from results_io import write_result  # this folder: the tail every benchmark shares
 
 from pd_cache import ClusterConfig, PDCluster, Req
 from pd_cache.app.session import ray_session
@@ -70,8 +71,7 @@ def main() -> None:
         "bytes_per_request_after_warmup": round((warm[-1] - warm[0]) * 2**20
                                                 / max(1, args.requests * 9 // 10), 1),
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(RESULTS, result, show=None)
     print(f"router RSS after warm-up: {result['warm_min_mib']}-{result['warm_max_mib']} MiB, "
           f"growth {result['warm_growth_mib']} MiB over {args.requests * 9 // 10} requests "
           f"({result['bytes_per_request_after_warmup']} B/request); wrote {RESULTS.name}")

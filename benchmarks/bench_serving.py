@@ -23,6 +23,8 @@ import platform
 import tempfile
 from pathlib import Path
 
+from results_io import write_result  # this folder: the tail every benchmark shares
+
 from pd_cache.app.bench.cli import main as bench_main
 
 SEED = 1234
@@ -97,8 +99,7 @@ def main() -> None:
           f"at rate {top}: goodput on/off "
           f"{'inf' if ratio is None else f'{ratio:.2f}x'}, TTFT p50 on/off "
           f"{out['ttft_p50_ratio']:.2f}x; target met: {out['target_met']}")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(out, indent=2) + "\n")
+    write_result(RESULTS, out, show=None)
 
 
 if __name__ == "__main__":

@@ -79,7 +79,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import dataclasses
-import json
 import random
 import statistics
 import time
@@ -90,6 +89,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from results_io import write_result  # this folder: the tail every benchmark shares
 
 from pd_cache.app.session import cluster_token
 from pd_cache.core.config import CacheConfig, KVLayout, ModelConfig, PDCacheConfig, StorageConfig
@@ -770,9 +770,7 @@ def main() -> None:
             ray.shutdown()
     out = SEALED_RESULTS if args.sealed_only else \
         REPLICA_RESULTS if args.replicas_only else RESULTS
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_result(out, results)
 
 
 def big_pages() -> tuple[list[torch.Tensor], torch.Tensor]:

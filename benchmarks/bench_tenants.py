@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from results_io import write_result  # this folder: the tail every benchmark shares
 
 from pd_cache.app.session import ray_session
 from pd_cache.core.sealing import Keyring, read_or_create_secret
@@ -261,8 +262,7 @@ def main() -> None:
     result = {"benchmark": "bench_tenants", "seed": SEED,
               "args": {k: v for k, v in vars(args).items() if k != "output"},
         "cluster": CLUSTER, "machine": platform.machine(), **run(args)}
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.output, result, show=None)
     quota = "no" if args.no_quota else f"a {args.noisy_quota_mib} MiB"
     print(f"quiet_hit_ratio {result['quiet_hit_ratio']} (unpinned "
           f"{result['quiet_hit_ratio_unpinned']}); noisy_l3_bytes_max "

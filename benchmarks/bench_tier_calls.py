@@ -21,7 +21,6 @@ ping's).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -30,6 +29,7 @@ from typing import Any
 
 import torch
 from bench_storage import chain_records  # this folder: how its records are named
+from results_io import write_result  # this folder: the tail every benchmark shares
 
 from pd_cache.app.session import cluster_token
 from pd_cache.core.config import CacheConfig, ModelConfig, PDCacheConfig, StorageConfig
@@ -123,9 +123,7 @@ def main() -> None:
         ratio = f" ({out[f'{kind}_vs_ping']:.1f}x a ping)" if kind != "ping" else ""
         print(f"{kind:>6}: {f['wall_ms']:.2f} ms wall, CPU {f['tier_cpu_ms']:.2f} ms in the "
               f"tier + {f['caller_cpu_ms']:.2f} ms here = {f['cpu_ms']:.2f} ms{ratio}")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    write_result(RESULTS, out)
 
 
 if __name__ == "__main__":
