@@ -23,11 +23,13 @@ from pd_cache.model.digest import with_weights_digest
 from pd_cache.model.model import Model
 from pd_cache.storage.base import ExtraInfo, PoolTransfer
 from pd_cache.storage.placement import rendezvous
+from pd_cache.storage.rebuild import pools_of, rebuild
 from pd_cache.storage.record import PageRecord
 from pd_cache.storage.replicas import ReplicatedClient
 from pd_cache.storage.seal import SealedStorage, Sealer
+from pd_cache.storage.tier import storage_actors
 from tests.integration.clusters import assert_idle, expected, l3_records, started, until
-from tests.unit.storage.records import Chain, bits
+from tests.unit.storage.records import Chain, bits, random_bits
 
 ray = pytest.importorskip("ray")
 
@@ -170,3 +172,32 @@ def bit_flipped(payload: torch.Tensor) -> torch.Tensor:
     out = payload.clone().view(torch.uint8).view(-1)
     out[len(out) // 2] ^= 0x10
     return out.view(payload.dtype).view(payload.shape)
+
+
+def test_rebuild_copies_a_hybrid_models_states(ray_cluster: Any) -> None:
+    pd = ClusterConfig(model="tiny-hybrid", page_size=PS, num_storage=2,
+                       storage_replicas=2).pd_config
+    layout, handles = pd.layout, storage_actors(pd)
+    try:
+        client = ReplicatedClient(handles, replicas=2, segment_pages=pd.storage.segment_pages)
+        chain = Chain(layout, 8, seed=292)
+        states = {i: chain.record(i, {"state": random_bits(layout.state_shape, torch.float32, i)})
+                  for i in (3, 7)}   # a state after every 4th page (checkpoints)
+        for lo in (0, 4):   # two writes, each ending at a checkpoint, as a worker's
+            info = ExtraInfo(prefix_keys=chain.names[:lo], namespace_seed=chain.seed)
+            ops = [PoolTransfer("kv", chain.names[lo:lo + 4], chain.records[lo:lo + 4]),
+                   PoolTransfer("state", [chain.names[lo + 3]], [states[lo + 3]])]
+            assert client.batch_set_v2(ops, info) == [[True] * 4, [True]]
+        client.settle(wait=True)
+        ray.get(handles[0].drop_all.remote())   # a memory shard restarted empty
+        done = rebuild(client, 1e12, pools_of(layout))
+        assert done.pages == 8 + 2 and done.chains == 1   # every kv page and both states
+        ask = [PoolTransfer("kv", chain.names), PoolTransfer("state", chain.names)]
+        held = ray.get(handles[0].batch_exists_v2.remote(
+            ask, ExtraInfo(prefix_keys=[], namespace_seed=chain.seed)))
+        assert held.per_pool["kv"] == 8
+        assert (held.checkpoints or {})["state"] == [i in states for i in range(8)]
+        assert rebuild(client, 1e12, pools_of(layout)).pages == 0
+    finally:
+        for h in handles:
+            ray.kill(h)
