@@ -55,7 +55,12 @@ Replica rows (2 tier actors): the same pages through a client of one copy
 (``storage.replicas`` 1) and one of two copies (2: every page on both shards), alternating
 in each repetition, the shards emptied before each. ``set`` is until every page is
 acknowledged (one copy landed), ``set_all_copies`` until the second copies landed too,
-``get`` as above (the first copy answers). Keys ``replicas_set_r2_vs_r1``,
+``get`` as above (the first copy answers), with the reader's minor page faults beside.
+Before timing, the reader touches 2 GiB of the object store (one put, freed): a read of
+object-store memory this process never touched maps it page by page, one fault per 64 KiB,
++30-50% on a get, and which of the two rows met such memory was chance (the two-copy row
+more often: it writes twice as much); a process that has run a while has touched it
+(``--cold-store``: not done). Keys ``replicas_set_r2_vs_r1``,
 ``replicas_set_all_copies_r2_vs_r1``, ``replicas_get_r2_vs_r1`` (time ratios; target: get
 <= 1.1); ``--replicas-only`` runs just these rows (``results/storage_replicas.json``).
 
@@ -119,6 +124,7 @@ BIG_MODEL = ModelConfig(name="bench-8b", vocab_size=128256, hidden_size=4096, nu
                         max_context=8192, kv_dtype="bfloat16")
 HYBRID_MODEL = dataclasses.replace(BIG_MODEL, name="bench-8b-hybrid", layer_pattern="ra" * 16)
 STATE_EVERY = 4
+WARM_STORE_BYTES = 2 << 30   # replica rows: object store the reader touches before timing
 TARGET = 0.5   # L3 get through one tier actor vs the fastest copy of the same bytes
 
 
@@ -186,8 +192,8 @@ def bench_shards(num_shards: int, payloads: list[torch.Tensor], pool: torch.Tens
     return {**rates(times), "call_floor_ms": floor}
 
 
-def bench_replicated(payloads: list[torch.Tensor], repeats: int,
-                     batch_pages: int) -> dict[str, Any]:
+def bench_replicated(payloads: list[torch.Tensor], repeats: int, batch_pages: int,
+                     warm: bool = True) -> dict[str, Any]:
     """One copy vs two over the same 2 shards, side by side (see the module docstring)."""
     import ray
 
@@ -196,6 +202,9 @@ def bench_replicated(payloads: list[torch.Tensor], repeats: int,
     clients = {r: sharded_client(handles, r, timeout_s=120) for r in (1, 2)}
     times: dict[str, list[float]] = {f"{op}_r{r}": [] for op in ("set", "set_all_copies", "get")
                                      for r in (1, 2)}
+    faults: dict[str, list[int]] = {f"get_r{r}": [] for r in (1, 2)}
+    if warm:
+        warm_object_store(WARM_STORE_BYTES)
     try:
         for rep in range(repeats + 1):   # the first repetition warms up and is dropped
             for r in ((1, 2) if rep % 2 else (2, 1)):
@@ -208,11 +217,12 @@ def bench_replicated(payloads: list[torch.Tensor], repeats: int,
                 if r == 2:
                     clients[r].settle(wait=True)
                 every = time.perf_counter() - start
-                got = timed(get_all, clients[r], batches)
+                got, touched = faulted(get_all, clients[r], batches)
                 if rep:
                     times[f"set_r{r}"].append(acked)
                     times[f"set_all_copies_r{r}"].append(every)
                     times[f"get_r{r}"].append(got)
+                    faults[f"get_r{r}"].append(touched)
         stored = [u.records for u in ray.get([h.usage.remote() for h in handles])]
     finally:
         kill_all(handles)
@@ -220,8 +230,30 @@ def bench_replicated(payloads: list[torch.Tensor], repeats: int,
     out: dict[str, Any] = {f"{k}_gbps": TOTAL_BYTES / t / GB for k, t in med.items()}
     out.update({f"replicas_{op}_r2_vs_r1": med[f"{op}_r2"] / med[f"{op}_r1"]
                 for op in ("set", "set_all_copies", "get")})
+    out.update({f"{k}_minor_faults": v for k, v in faults.items()},
+               object_store_warmed_bytes=WARM_STORE_BYTES if warm else 0)
     out["records_per_shard_last_r2"] = stored
     return out
+
+
+def faulted(fn: Callable[..., Any], *args: Any) -> tuple[float, int]:
+    """``fn``'s time and the minor page faults this process took during it (first touches
+    of object-store memory, mapped page by page as the reader reaches it)."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    took = timed(fn, *args)
+    return took, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+def warm_object_store(nbytes: int) -> None:
+    """Touch ``nbytes`` of the object store from this process (one put, then freed), so
+    that later objects there are read without first-touch faults, as in a process that
+    has run a while."""
+    import ray
+
+    ref = ray.put(torch.ones(nbytes, dtype=torch.uint8))
+    del ref
 
 
 def print_replicated(r: dict[str, Any]) -> None:
@@ -229,7 +261,8 @@ def print_replicated(r: dict[str, Any]) -> None:
           f"{r['set_r2_gbps']:.2f} two ({r['replicas_set_r2_vs_r1']:.2f}x the time; every copy "
           f"{r['replicas_set_all_copies_r2_vs_r1']:.2f}x) | get {r['get_r1_gbps']:.2f} vs "
           f"{r['get_r2_gbps']:.2f} GB/s ({r['replicas_get_r2_vs_r1']:.2f}x the time; target "
-          f"<= 1.1)")
+          f"<= 1.1; reader's page faults {r['get_r1_minor_faults']} vs "
+          f"{r['get_r2_minor_faults']})")
 
 
 def call_floor_ms(handle: Any, calls: int = 50) -> float:
@@ -757,6 +790,8 @@ def main() -> None:
     parser.add_argument("--replicas-only", action="store_true",
                         help="only the one copy vs two copies rows (into "
                              "storage_replicas.json)")
+    parser.add_argument("--cold-store", action="store_true",
+                        help="replica rows: do not touch the object store before timing")
     args = parser.parse_args()
     import ray
 
@@ -793,7 +828,7 @@ def run_sealed(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_replicated(args: argparse.Namespace) -> dict[str, Any]:
     payloads, _ = big_pages()
-    r = bench_replicated(payloads, args.repeats, args.batch_pages)
+    r = bench_replicated(payloads, args.repeats, args.batch_pages, warm=not args.cold_store)
     print_replicated(r)
     return {"seed": SEED, "total_bytes": TOTAL_BYTES, "batch_pages": args.batch_pages,
             "repeats": args.repeats, **r}

@@ -55,15 +55,16 @@ class ClusterOperations(ClusterKeys):
                               segment_pages=self.pd.storage.segment_pages)
 
     def rebuild_storage(self, bytes_per_s: float = 64e6) -> dict[str, int]:
-        """Copy to every L3 replica the pages it lacks (a shard restarted empty), at most
-        ``bytes_per_s`` a second (``storage.rebuild``); chains checked, pages and bytes
-        copied. Nothing to do with one copy of each page (``storage_replicas`` 1)."""
-        from pd_cache.storage.rebuild import rebuild
+        """Copy to every L3 replica the pages it lacks (a shard restarted empty; a hybrid
+        model's states too), at most ``bytes_per_s`` a second (``storage.rebuild``); chains
+        checked, records and bytes copied. Nothing to do with one copy of each page
+        (``storage_replicas`` 1)."""
+        from pd_cache.storage.rebuild import pools_of, rebuild
 
         client = self.storage_client()
         if client is None or self.pd.storage.replicas == 1:
             return {"chains": 0, "pages": 0, "bytes": 0}
-        return rebuild(client, bytes_per_s)._asdict()
+        return rebuild(client, bytes_per_s, pools_of(self.pd.layout))._asdict()
 
     def pins(self, tenant: str) -> TenantPins:
         """``tenant``'s pinned pages on every worker and L3 shard (shards know it by its

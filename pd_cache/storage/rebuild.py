@@ -10,23 +10,25 @@ Each chain is asked of every rank (an ``exists``, key by key); the keys a rank l
 another holds are read from that one (verified as any read) and stored on it as they are
 (the same sealed records). ``bytes_per_s`` caps the copy rate. A page whose
 chain lost its head everywhere is placed as if it started there (a wasted copy at worst).
-A sidecar pool (a hybrid model's ``state``) is left to the reads' repair.
+A sidecar pool (a hybrid model's ``state``, kept at some pages of a chain) is asked and
+copied the same way, key by key, after the chain's ``kv``: it lives where its page's KV
+does.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 from pd_cache.storage.base import ExtraInfo, PoolTransfer
-from pd_cache.storage.record import KV_POOL
+from pd_cache.storage.record import KV_POOL, STATE_POOL
 from pd_cache.storage.replica_parts import presence
 
 
 class Rebuilt(NamedTuple):
     chains: int   # chains checked
-    pages: int    # pages copied to a replica that lacked them
+    pages: int    # records copied to a replica that lacked them (kv pages, states)
     bytes: int    # their bytes
 
 
@@ -46,9 +48,10 @@ def chains(links: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, list[bytes
     return out
 
 
-def rebuild(client: Any, bytes_per_s: float) -> Rebuilt:
+def rebuild(client: Any, bytes_per_s: float, pools: Sequence[str] = (KV_POOL,)) -> Rebuilt:
     """Copy to each rank of ``client`` (a ``ReplicatedClient``) what it lacks of every
-    chain the shards hold, at most ``bytes_per_s`` bytes a second."""
+    chain the shards hold, in ``pools`` (``kv`` first; a hybrid model's: ``state`` too,
+    ``pools_of``), at most ``bytes_per_s`` bytes a second."""
     if not bytes_per_s > 0:
         raise ValueError(f"bytes_per_s: expected a number > 0, got {bytes_per_s!r}")
     links = [link for shard in client.primary._gather("links") for link in shard]
@@ -56,15 +59,23 @@ def rebuild(client: Any, bytes_per_s: float) -> Rebuilt:
     found = chains(links)
     for seed, names in found:
         info = ExtraInfo(prefix_keys=[], namespace_seed=seed)
-        ask = [PoolTransfer(KV_POOL, names)]
-        marks = [m[0] for m in [r._exists(ask, info, presence).result() for r in client.ranks]]
-        for dst in range(len(marks)):
-            for src, run in copies(marks, dst):
-                copied = _copy(client, src, dst, names, run[0], run[-1] + 1, seed)
-                pages, sent = pages + copied[0], sent + copied[1]
-                _pace(start, sent, bytes_per_s)
+        for pool in pools:
+            ask = [PoolTransfer(pool, names)]
+            marks = [m[0] for m in [r._exists(ask, info, presence).result()
+                                    for r in client.ranks]]
+            for dst in range(len(marks)):
+                for src, run in copies(marks, dst):
+                    copied = _copy(client, src, dst, PoolTransfer(pool, names), run, seed)
+                    pages, sent = pages + copied[0], sent + copied[1]
+                    _pace(start, sent, bytes_per_s)
     client.settle(wait=True)
     return Rebuilt(len(found), pages, sent)
+
+
+def pools_of(layout: Any) -> tuple[str, ...]:
+    """The pools a rebuild copies for ``layout`` (a ``KVLayout``): ``kv``, and a hybrid
+    model's ``state``."""
+    return (KV_POOL, STATE_POOL) if layout.has_state else (KV_POOL,)
 
 
 def copies(marks: list[list[bool]], dst: int) -> list[tuple[int, list[int]]]:
@@ -82,16 +93,18 @@ def copies(marks: list[list[bool]], dst: int) -> list[tuple[int, list[int]]]:
     return out
 
 
-def _copy(client: Any, src: int, dst: int, names: list[bytes], lo: int, hi: int,
+def _copy(client: Any, src: int, dst: int, chain: PoolTransfer, run: list[int],
           seed: bytes) -> tuple[int, int]:
-    """Pages ``lo:hi`` of a chain read from rank ``src``, stored on rank ``dst``."""
+    """The records of ``chain``'s pool at positions ``run`` (consecutive) read from rank
+    ``src``, stored on rank ``dst``."""
+    names, lo, hi = chain.keys, run[0], run[-1] + 1
     info = ExtraInfo(prefix_keys=names[:lo], namespace_seed=seed)
-    got = client.ranks[src].batch_get_v2([PoolTransfer(KV_POOL, names[lo:hi])], info)
+    got = client.ranks[src].batch_get_v2([PoolTransfer(chain.pool, names[lo:hi])], info)
     pages = list(got[0].pages or [])
     n = next((i for i, p in enumerate(pages) if p is None), len(pages))
     if not n:
         return 0, 0
-    acks = client.ranks[dst].batch_set_v2([PoolTransfer(KV_POOL, names[lo:lo + n],
+    acks = client.ranks[dst].batch_set_v2([PoolTransfer(chain.pool, names[lo:lo + n],
                                                         pages[:n])], info)
     stored = {k for k, ok in zip(names[lo:lo + n], acks[0]) if ok}
     client.repaired(stored)

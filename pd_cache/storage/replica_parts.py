@@ -9,16 +9,24 @@ sent with the chain's names before it, so that it is placed as the whole batch w
     parts      (kv, [2, 3]) (kv, [5])     prefix_keys + [k0 k1], prefix_keys + [k0 .. k4]
 
 Without a chain each page is placed by its own name: a part is every such key of a pool.
+``ReplicaRead`` is one get's state as the ranks answer it (which rank served each page).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import msgspec
 
-from pd_cache.storage.base import ExtraInfo, PoolHits, PoolTransfer, pool_start
+from pd_cache.storage.base import (
+    ExtraInfo,
+    Pending,
+    PoolHits,
+    PoolTransfer,
+    ShardFault,
+    pool_start,
+)
 from pd_cache.storage.batch import Batch, usable_hits
 from pd_cache.storage.record import CHECKPOINT_POOLS
 
@@ -96,6 +104,66 @@ def joined_hits(batches: Sequence[Batch], each: Sequence[list[list[bool]]]) -> P
                        {b.pool: m for b, m in zip(batches, marks) if b.pool in CHECKPOINT_POOLS})
 
 
-def missing(got: Sequence[PoolTransfer]) -> list[list[bool]]:
-    """Per pool, which keys a get answered without a page."""
-    return [[p is None for p in (t.pages or [None] * len(t.keys))] for t in got]
+class ReplicaRead:
+    """One replicated get as it goes: rank 0's answer ``got`` (its pools and keys), the page
+    found for each key so far and the rank that served it (``None``: none yet)::
+
+        floor[j][i]  the rank whose copy of key i was missed or rejected: the key is asked
+                     of the ranks after it (``None``: not asked again)
+    """
+
+    def __init__(self, got: Sequence[PoolTransfer], info: ExtraInfo | None) -> None:
+        self.got, self.info = list(got), info
+        self.chained = info is not None and info.prefix_keys is not None
+        self.pages = [list(t.pages or [None] * len(t.keys)) for t in got]
+        self.served: list[list[int | None]] = [[None if p is None else 0 for p in ps]
+                                               for ps in self.pages]
+
+    def missed(self) -> list[list[int | None]]:
+        """The floor of a read whose rank 0 answered: every key it missed, after rank 0."""
+        return [[0 if p is None else None for p in ps] for ps in self.pages]
+
+    def rejected(self, bad: Sequence[Sequence[bool]]) -> list[list[int | None]]:
+        """Drop the pages ``bad`` (a copy served them, they failed above the client): the
+        floor that asks the ranks after the one that served each."""
+        floor: list[list[int | None]] = [[None] * len(t.keys) for t in self.got]
+        for j, marks in enumerate(bad):
+            for i, b in enumerate(marks):
+                if b and self.served[j][i] is not None:
+                    floor[j][i], self.served[j][i] = self.served[j][i], None
+                    self.pages[j][i] = None
+        return floor
+
+    def asked(self, floor: Sequence[Sequence[int | None]], rank: int) -> list[list[bool]]:
+        """The keys to ask ``rank`` for: still missing, floor below it."""
+        return [[f is not None and f < rank and p is None for f, p in zip(fs, ps)]
+                for fs, ps in zip(floor, self.pages)]
+
+    def filled(self, floor: Sequence[Sequence[int | None]], below: int) -> list[list[bool]]:
+        """The keys a rank after their floor served, that rank ``below`` lacks (it is
+        before the one that served them): what to write back to ``below``."""
+        return [[f is not None and s is not None and s > f and s > below
+                 for f, s in zip(fs, ss)] for fs, ss in zip(floor, self.served)]
+
+    def answer(self, floor: Sequence[Sequence[int | None]] | None = None) -> list[PoolTransfer]:
+        """The pages found (with ``floor``: only those of the keys it asks again)."""
+        return [PoolTransfer(t.pool, t.keys, list(ps) if floor is None else
+                             [p if f is not None else None for p, f in zip(ps, fs)])
+                for t, ps, fs in zip(self.got, self.pages, floor or self.pages)]
+
+
+class AllOf(Pending[Any]):
+    """Several pendings, their results combined by ``combine``."""
+
+    def __init__(self, calls: list[Pending[Any]], combine: Callable[[list[Any]], Any]) -> None:
+        self._calls, self._combine = calls, combine
+
+    def done(self) -> bool:
+        return all(c.done() for c in self._calls)
+
+    def result(self, timeout: float | None = None) -> Any:
+        return self._combine([c.result(timeout) for c in self._calls])
+
+    @property
+    def faults(self) -> list[ShardFault]:
+        return [f for c in self._calls for f in c.faults]

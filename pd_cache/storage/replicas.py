@@ -10,7 +10,9 @@ is a plain ``StorageClient`` (the shard calls and their faults are its own)::
     exists  every rank at once; a page is held if one rank holds it
     get     rank 0; what it missed (or failed to verify) from rank 1 once rank 0 answered,
             and so on; a page a later rank served is written back to the earlier ranks that
-            lacked it, in the background (a repair)
+            lacked it, in the background (a repair); a page that fails a check above the
+            client (a seal that does not open) is dropped by its copy and read on the same
+            way (``reject`` of the get's result)
 
 So a memory shard restarted empty refills lazily, from the reads that reach it; and
 eagerly with ``PDCluster.rebuild_storage`` (``storage.rebuild``). A purge, a key retirement
@@ -39,9 +41,10 @@ from pd_cache.storage.batch import check_batch, normalize_keys
 from pd_cache.storage.client import StorageClient
 from pd_cache.storage.placement import chain_replicas, replica_set
 from pd_cache.storage.replica_parts import (
+    AllOf,
     Part,
+    ReplicaRead,
     joined_hits,
-    missing,
     part_call,
     parts,
     presence,
@@ -66,6 +69,15 @@ class RankClient(StorageClient):
     def shards_of(self, keys: Sequence[bytes], prefix: Sequence[bytes] | None) -> list[int]:
         return [s[self.rank] for s in chain_replicas(
             keys, prefix, len(self.handles), self.segment_pages, self.replicas, self.nodes)]
+
+    def discard_placed(self, transfers: Sequence[PoolTransfer],
+                       extra_info: ExtraInfo | None) -> None:
+        """Ask the shard this rank places each page on (only that one) to delete it."""
+        batches = check_batch(transfers, extra_info, self.algo, with_pages=False)
+        for s, shard_parts in self.plan(batches, extra_info).items():
+            for j, pos in shard_parts:
+                self.handles[s].discard_v2.remote(batches[j].pool,
+                                                  [batches[j].keys[i] for i in pos])
 
 
 class ReplicatedClient(SubmittedBackend):
@@ -103,7 +115,7 @@ class ReplicatedClient(SubmittedBackend):
                          extra_info: ExtraInfo | None = None) -> Pending[PoolHits]:
         self.settle()
         batches = check_batch(transfers, extra_info, self.algo, with_pages=False)
-        return _All([r._exists(transfers, extra_info, presence) for r in self.ranks],
+        return AllOf([r._exists(transfers, extra_info, presence) for r in self.ranks],
                     lambda each: joined_hits(batches, each))
 
     def submit_get_v2(self, transfers: Sequence[PoolTransfer],
@@ -114,7 +126,8 @@ class ReplicatedClient(SubmittedBackend):
         # hit costs one call, as with one copy (an exists sent to them at once, so that a
         # page no copy holds cost no second round trip, made a read 1.29x one copy's); a
         # page index keeps reads to what L3 holds, so the second round trip is rare.
-        return _ReadOn(first, lambda got, timeout: self._read_on(got, extra_info, timeout))
+        return _ReadOn(first, lambda got, timeout: self._read_on(got, extra_info, timeout),
+                       self._reject)
 
     def submit_set_v2(self, transfers: Sequence[PoolTransfer],
                       extra_info: ExtraInfo | None = None) -> Pending[list[list[bool]]]:
@@ -190,32 +203,43 @@ class ReplicatedClient(SubmittedBackend):
             self.metrics.set_under_replicated(n)
 
     def _read_on(self, got: list[PoolTransfer], info: ExtraInfo | None,
-                 timeout: float | None) -> list[PoolTransfer]:
+                 timeout: float | None) -> ReplicaRead:
         """``got`` (rank 0's answer) completed from the later ranks (each asked for what
         the ranks before it missed), and the earlier ranks repaired from what the later ones
         served."""
-        pages = [list(t.pages or [None] * len(t.keys)) for t in got]
-        chained = info is not None and info.prefix_keys is not None
-        lacked: list[list[list[bool]]] = []   # per rank asked: which keys it did not serve
-        for rank in self.ranks[1:]:
-            need = missing([PoolTransfer(t.pool, t.keys, p) for t, p in zip(got, pages)])
-            lacked.append(need)
-            if not any(map(any, need)):
-                break
-            asked = parts(got, need, chained)
-            calls = [rank.submit_get_v2(*part_call(got, p, info)) for p in asked]
+        read = ReplicaRead(got, info)
+        self._fill(read, read.missed(), timeout)
+        return read
+
+    def _reject(self, read: ReplicaRead, bad: Sequence[Sequence[bool]],
+                timeout: float | None) -> list[PoolTransfer]:
+        """The pages ``bad`` of ``read`` failed above this client (a seal that does not
+        open): each is dropped by the copy that served it and by the earlier ones this read
+        repaired from it, then read from the ranks after it (and repaired as a miss).
+        Returns the new pages of those keys (``None``: no later copy had one)."""
+        floor = read.rejected(bad)
+        for dst, rank in enumerate(self.ranks):
+            drop = [[f is not None and f >= dst for f in fs] for fs in floor]
+            for part in parts(read.got, drop, read.chained):
+                rank.discard_placed(*part_call(read.got, part, read.info))
+        self._counts.count("copies_rejected", n=sum(f is not None for fs in floor for f in fs))
+        self._fill(read, floor, timeout)
+        return read.answer(floor)
+
+    def _fill(self, read: ReplicaRead, floor: list[list[int | None]],
+              timeout: float | None) -> None:
+        """Ask each rank in turn for the keys of ``floor`` still missing, then write what a
+        later rank served back to the earlier ones."""
+        for r, rank in enumerate(self.ranks[1:], start=1):
+            asked = parts(read.got, read.asked(floor, r), read.chained)
+            calls = [rank.submit_get_v2(*part_call(read.got, p, read.info)) for p in asked]
             for part, call in zip(asked, calls):
                 for i, page in zip(part.positions, call.result(timeout)[0].pages or []):
-                    pages[part.j][i] = pages[part.j][i] if page is None else page
-        self._repair(got, pages, lacked, info, chained)
-        return [PoolTransfer(t.pool, t.keys, p) for t, p in zip(got, pages)]
-
-    def _repair(self, got: list[PoolTransfer], pages: list[list[Any]],
-                lacked: list[list[list[bool]]], info: ExtraInfo | None, chained: bool) -> None:
-        for rank, need in zip(self.ranks, lacked):
-            fix = [[n and p is not None for n, p in zip(ns, ps)] for ns, ps in zip(need, pages)]
-            for part in parts(got, fix, chained):
-                self._send_repair(rank, got, part, pages[part.j], info)
+                    if page is not None and read.pages[part.j][i] is None:
+                        read.pages[part.j][i], read.served[part.j][i] = page, r
+        for dst, rank in enumerate(self.ranks[:-1]):
+            for part in parts(read.got, read.filled(floor, dst), read.chained):
+                self._send_repair(rank, read.got, part, read.pages[part.j], read.info)
 
     def _send_repair(self, rank: RankClient, got: list[PoolTransfer], part: Part,
                      pages: list[Any], info: ExtraInfo | None) -> None:
@@ -250,40 +274,35 @@ def shard_nodes(handles: Sequence[Any], timeout_s: float = 30.0) -> list[str]:
     return out
 
 
-class _All(Pending[Any]):
-    """Several pendings, their results combined by ``combine``."""
-
-    def __init__(self, calls: list[Pending[Any]], combine: Callable[[list[Any]], Any]) -> None:
-        self._calls, self._combine = calls, combine
-
-    def done(self) -> bool:
-        return all(c.done() for c in self._calls)
-
-    def result(self, timeout: float | None = None) -> Any:
-        return self._combine([c.result(timeout) for c in self._calls])
-
-    @property
-    def faults(self) -> list[ShardFault]:
-        return [f for c in self._calls for f in c.faults]
-
-
 class _ReadOn(Pending[list[PoolTransfer]]):
-    """Rank 0's get, completed from the later ranks when collected (``read_on``)."""
-
-    _UNSET = object()
+    """Rank 0's get, completed from the later ranks when collected (``read_on``); pages that
+    fail above the client go to the next copy with :meth:`reject`."""
 
     def __init__(self, first: Pending[list[PoolTransfer]],
-                 read_on: Callable[[list[PoolTransfer], float | None], list[PoolTransfer]]
-                 ) -> None:
-        self._first, self._read_on, self._value = first, read_on, self._UNSET
+                 read_on: Callable[[list[PoolTransfer], float | None], ReplicaRead],
+                 reject: Callable[[ReplicaRead, Sequence[Sequence[bool]], float | None],
+                                  list[PoolTransfer]]) -> None:
+        self._first, self._read_on, self._reject = first, read_on, reject
+        self._read: ReplicaRead | None = None
 
     def done(self) -> bool:
-        return self._value is not self._UNSET or self._first.done()
+        return self._read is not None or self._first.done()
 
     def result(self, timeout: float | None = None) -> list[PoolTransfer]:
-        if self._value is self._UNSET:
-            self._value = self._read_on(self._first.result(timeout), timeout)
-        return self._value
+        return self._collected(timeout).answer()
+
+    def _collected(self, timeout: float | None) -> ReplicaRead:
+        if self._read is None:
+            self._read = self._read_on(self._first.result(timeout), timeout)
+        return self._read
+
+    def reject(self, bad: Sequence[Sequence[bool]],
+               timeout: float | None = None) -> list[PoolTransfer]:
+        """Per pool and key of the result, ``bad``: the page failed a check above this
+        client. Each is read from the copies after the one that served it, which drops it
+        (a later copy repairs it). The result's transfers with only those keys' pages (the
+        next copy's, ``None`` where none had it); the rest ``None``."""
+        return self._reject(self._collected(timeout), bad, timeout)
 
     @property
     def faults(self) -> list[ShardFault]:

@@ -42,13 +42,12 @@ from pd_cache.storage.base import (
     Pending,
     PoolHits,
     PoolTransfer,
-    ShardFault,
     StorageBackend,
     SubmittedBackend,
     Usage,
 )
 from pd_cache.storage.cipher import AEAD, AEADS, open_into, seal_into
-from pd_cache.storage.reader import OPENER, Opening, count_read
+from pd_cache.storage.reader import Opening, count_read
 from pd_cache.storage.record import (
     DTYPES,
     KV_POOL,
@@ -61,6 +60,7 @@ from pd_cache.storage.record import (
     stored_nbytes,
     typed,
 )
+from pd_cache.storage.reopen import OpenedPages, open_each, refusal
 from pd_cache.storage.spread import Spread
 
 log = logging.getLogger(__name__)
@@ -195,7 +195,8 @@ class SealedStorage(SubmittedBackend):
 
     ``ExtraInfo.tenant`` picks the key (``None``: ``""``) and is dropped before ``inner``
     sees the call. A record that does not open is a miss (``verification_failed``, or
-    ``key_retired``), counted here and in ``metrics``. ``scratch_bytes``: ``inner`` copies
+    ``key_retired``), counted here and in ``metrics``; over several copies it is read from
+    the next (``storage.reopen``). ``scratch_bytes``: ``inner`` copies
     what a set gives it before ``submit_set_v2`` returns (the sharded client's one put per
     shard), so a set seals into one buffer of up to that many bytes, kept and reused (warm
     memory seals twice as fast as fresh); ``0``: every set seals into new memory.
@@ -221,9 +222,10 @@ class SealedStorage(SubmittedBackend):
     def submit_get_v2(self, transfers: Sequence[PoolTransfer],
                       extra_info: ExtraInfo | None = None) -> Pending[list[PoolTransfer]]:
         tenant = _tenant(extra_info)
-        return Opening(self.inner.submit_get_v2(transfers, _stripped(extra_info)),
-                        lambda got, faults: [self._open_all(t, tenant, (), faults)
-                                             for t in got])
+        inner = self.inner.submit_get_v2(transfers, _stripped(extra_info))
+        return Opening(inner, lambda got, faults: open_each(
+            inner, got, [()] * len(got), lambda t, into: self._open_all(t, tenant, into),
+            self.inner.discard_v2, faults))
 
     def submit_get_into(self, keys: Sequence[bytes], into: Sequence[torch.Tensor],
                         extra_info: ExtraInfo | None = None
@@ -236,9 +238,10 @@ class SealedStorage(SubmittedBackend):
         if len(into) != len(keys):
             raise ValueError(f"into: {len(into)} tensors for {len(keys)} keys")
         tenant, transfer = _tenant(extra_info), PoolTransfer(KV_POOL, list(keys))
-        return Opening(self.inner.submit_get_v2([transfer], _stripped(extra_info)),
-                        lambda got, faults: list(self._open_all(got[0], tenant, into,
-                                                                faults).pages or []))
+        inner = self.inner.submit_get_v2([transfer], _stripped(extra_info))
+        return Opening(inner, lambda got, faults: list(open_each(
+            inner, got, [into], lambda t, dst: self._open_all(t, tenant, dst),
+            self.inner.discard_v2, faults)[0].pages or []))
 
     def submit_set_v2(self, transfers: Sequence[PoolTransfer],
                       extra_info: ExtraInfo | None = None) -> Pending[list[list[bool]]]:
@@ -274,28 +277,23 @@ class SealedStorage(SubmittedBackend):
         return self._spread.map(lambda run: [self.sealer.seal(p, tenant, o) for p, o in run],
                                 list(zip(pages, outs)), total)
 
-    def _open_all(self, transfer: PoolTransfer, tenant: str, into: Into = (),
-                  faults: list[ShardFault] | None = None) -> PoolTransfer:
+    def _open_all(self, transfer: PoolTransfer, tenant: str, into: Into = ()) -> OpenedPages:
         """Every page of ``transfer`` opened (into ``into``'s tensors, one per key, when
-        given) on the spread's threads; one that does not is counted (and listed in
-        ``faults``, once per transfer), and discarded if it is this tenant's."""
+        given) on the spread's threads; one that does not is counted, and marked bad (to be
+        dropped, ``storage.reopen``) if it is this tenant's."""
         pages = list(transfer.pages or [])
         outs = _padded(into, len(pages))
         nbytes = sum(p.nbytes for p in pages if p is not None)
         opened = self._spread.map(
             lambda run: [None if p is None else self.sealer.open(p, tenant, (o,))
                          for p, o in run], list(zip(pages, outs)), nbytes)
-        refused = [(key, page, got) for key, page, got in zip(transfer.keys, pages, opened)
-                   if got is not None and got.reason is not None]
-        if refused and faults is not None:   # NOTE: the caller's miss is this, not "absent"
-            faults.append(ShardFault(OPENER, refused[0][2].reason
-                                     or MissReason.VERIFICATION_FAILED, refused[0][2].detail))
-        bad = [key for key, page, got in refused
-               if self._refused(page, got, transfer.pool, tenant)]
-        if bad:   # NOTE: the store deletes them, so the page can be stored again
-            self.inner.discard_v2(transfer.pool, bad)
-        return msgspec.structs.replace(transfer, pages=[None if got is None else got.record
-                                                        for got in opened])
+        refused = [i for i, got in enumerate(opened) if got is not None and got.reason is not None]
+        first = None if not refused else refusal(
+            opened[refused[0]].reason or MissReason.VERIFICATION_FAILED, opened[refused[0]].detail)
+        bad = [i for i in refused if self._refused(pages[i], opened[i], transfer.pool, tenant)]
+        return OpenedPages(msgspec.structs.replace(
+            transfer, pages=[None if got is None else got.record for got in opened]),
+            refused, bad, first)
 
     def _refused(self, page: PageRecord, got: Opened, pool: str, tenant: str) -> bool:
         """Count a record that did not open; whether its store should discard it."""

@@ -14,13 +14,22 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 
 from pd_cache import ClusterConfig, Completion, PDCluster, Req
 from pd_cache.app.bench.workloads import Workload, multi_turn_workload
+from pd_cache.core.sealing import Keyring
+from pd_cache.model.digest import with_weights_digest
 from pd_cache.model.model import Model
 from pd_cache.storage.base import ExtraInfo, PoolTransfer
 from pd_cache.storage.placement import rendezvous
+from pd_cache.storage.rebuild import pools_of, rebuild
+from pd_cache.storage.record import PageRecord
+from pd_cache.storage.replicas import ReplicatedClient
+from pd_cache.storage.seal import SealedStorage, Sealer
+from pd_cache.storage.tier import storage_actors
 from tests.integration.clusters import assert_idle, expected, l3_records, started, until
+from tests.unit.storage.records import Chain, bits, random_bits
 
 ray = pytest.importorskip("ray")
 
@@ -123,3 +132,72 @@ def test_a_killed_memory_shard_loses_no_l3_hit(cluster: PDCluster) -> None:
     until(lambda: len(set(l3_records(cluster))) == 1, "rebuilt again: both hold all")
     assert cluster.rebuild_storage()["pages"] == 0   # nothing left to copy
     assert_idle(cluster)
+
+
+def test_a_copy_that_does_not_open_is_read_from_the_next_and_repaired(
+        cluster: PDCluster) -> None:
+    client = ReplicatedClient(cluster.storage, replicas=2,
+                              segment_pages=CONFIG.pd_config.storage.segment_pages)
+    store = SealedStorage(client, Sealer(Keyring.random()))
+    chain = Chain(with_weights_digest(CONFIG.pd_config).layout, 6, seed=291)   # the shards'
+    info = ExtraInfo(prefix_keys=[], namespace_seed=chain.seed, tenant="t")
+    assert store.batch_set_v2([PoolTransfer("kv", chain.names, chain.records)], info) \
+        == [[True] * 6]
+    client.settle(wait=True)
+    # the first copy of pages 1-3 loses a byte of its ciphertext (the shard cannot tell: it
+    # holds no key); it is stored in place of the good one
+    bare = ExtraInfo(prefix_keys=chain.names[:1], namespace_seed=chain.seed)
+    first = client.ranks[0]
+    sealed = first.batch_get_v2([PoolTransfer("kv", chain.names[1:4])], bare)[0].pages or []
+    flipped = [PageRecord(r.header, (bit_flipped(r.payloads[0]),)) for r in sealed]
+    at = first.shards_of(chain.names, [])
+    ray.get([cluster.storage[at[i]].discard_v2.remote("kv", [chain.names[i]]) for i in (1, 2, 3)])
+    assert first.batch_set_v2([PoolTransfer("kv", chain.names[1:4], flipped)], bare) \
+        == [[True] * 3]
+    got = store.batch_get_v2([PoolTransfer("kv", chain.names)], info)[0].pages or []
+    for g, want in zip(got, chain.records):   # every page, from the copy that opens
+        assert g is not None and bits(g.payload()) == bits(want.payload())
+    assert store.stats()["miss/verification_failed"] == 3   # the bad copies, counted
+    client.settle(wait=True)
+    assert client.counts()["copies_rejected"] == 3 and client.counts()["repaired"] == 3
+    # the first copy was repaired: read alone, every page opens
+    alone = SealedStorage(first, store.sealer).batch_get_v2([PoolTransfer("kv", chain.names)],
+                                                            info)[0].pages or []
+    assert all(g is not None for g in alone)
+    client.discard_v2("kv", chain.names)
+    until(lambda: len(set(l3_records(cluster))) == 1, "the chain is gone from both shards")
+
+
+def bit_flipped(payload: torch.Tensor) -> torch.Tensor:
+    out = payload.clone().view(torch.uint8).view(-1)
+    out[len(out) // 2] ^= 0x10
+    return out.view(payload.dtype).view(payload.shape)
+
+
+def test_rebuild_copies_a_hybrid_models_states(ray_cluster: Any) -> None:
+    pd = ClusterConfig(model="tiny-hybrid", page_size=PS, num_storage=2,
+                       storage_replicas=2).pd_config
+    layout, handles = pd.layout, storage_actors(pd)
+    try:
+        client = ReplicatedClient(handles, replicas=2, segment_pages=pd.storage.segment_pages)
+        chain = Chain(layout, 8, seed=292)
+        states = {i: chain.record(i, {"state": random_bits(layout.state_shape, torch.float32, i)})
+                  for i in (3, 7)}   # a state after every 4th page (checkpoints)
+        for lo in (0, 4):   # two writes, each ending at a checkpoint, as a worker's
+            info = ExtraInfo(prefix_keys=chain.names[:lo], namespace_seed=chain.seed)
+            ops = [PoolTransfer("kv", chain.names[lo:lo + 4], chain.records[lo:lo + 4]),
+                   PoolTransfer("state", [chain.names[lo + 3]], [states[lo + 3]])]
+            assert client.batch_set_v2(ops, info) == [[True] * 4, [True]]
+        client.settle(wait=True)
+        ray.get(handles[0].drop_all.remote())   # a memory shard restarted empty
+        done = rebuild(client, 1e12, pools_of(layout))
+        assert done.pages == 8 + 2 and done.chains == 1   # every kv page and both states
+        ask = [PoolTransfer("kv", chain.names), PoolTransfer("state", chain.names)]
+        held = ray.get(handles[0].batch_exists_v2.remote(
+            ask, ExtraInfo(prefix_keys=[], namespace_seed=chain.seed)))
+        assert held.per_pool["kv"] == 8
+        assert (held.checkpoints or {})["state"] == [i in states for i in range(8)]
+        assert rebuild(client, 1e12, pools_of(layout)).pages == 0
+    finally:
+        for h in handles:
+            ray.kill(h)
