@@ -31,6 +31,7 @@ from pd_cache.core.events import (
     shard_of,
 )
 from pd_cache.core.fields import check_int_at_least
+from pd_cache.core.index_calls import l3_held
 
 Holder = tuple[str, str]   # (publisher, tier)
 LAGS = 100_000             # apply lags kept (the benchmark reads them)
@@ -146,8 +147,7 @@ def answer(views: Sequence[ShardView], where: Sequence[tuple[int, int]]) -> Inde
     """The answer for a request's names from its shards' ``views``; ``where[i]`` is name
     ``i``'s (shard, position in that shard's view)."""
     held = [_holders(views[s], views[s].masks[j]) for s, j in where]
-    l3 = next((i for i, h in enumerate(held) if not any(t == STORAGE_TIER for _, t in h)),
-              len(held))
+    l3 = l3_held(views, where)
     workers = {}
     for pub in {p for h in held for p, t in h if t != STORAGE_TIER}:
         device = pages = 0

@@ -30,13 +30,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 from pd_cache.cluster.index import ShardView, answer, locate
-from pd_cache.cluster.router import PrefixRouter, Route
+from pd_cache.cluster.router import NoLiveWorker, PrefixRouter, Route
 from pd_cache.core.cluster_config import ClusterConfig
+from pd_cache.core.config import PDCacheConfig
 from pd_cache.core.events import IndexAnswer
+from pd_cache.core.index_calls import IndexCalls
 
 
 class RouteWeights(NamedTuple):
@@ -56,9 +58,11 @@ class RouteWeights(NamedTuple):
 class Asked(NamedTuple):
     """The index's answer for one request's names, asked once per attempt and shared by the
     decode and prefill choices (``None``: no index, nothing to choose, or no answer in
-    time)."""
+    time); or, when no choice needs it, its ``calls``, sent on unawaited for prefill's L3
+    read (``pd_cache.core.index_calls``)."""
 
     answer: IndexAnswer | None
+    calls: IndexCalls | None = None
 
 
 class IndexRoute(NamedTuple):
@@ -67,7 +71,7 @@ class IndexRoute(NamedTuple):
 
     worker: int
     matched_pages: int
-    l3_pages: int | None
+    l3_pages: int | IndexCalls | None
 
 
 def cost(found: IndexAnswer, publisher: str, num_pages: int, excess: int,
@@ -122,43 +126,69 @@ class IndexClient:
     def __init__(self, shards: Sequence[Any], timeout_s: float) -> None:
         self.shards, self.timeout_s = list(shards), timeout_s
 
+    def ask(self, names: Sequence[bytes]) -> IndexCalls:
+        """The shards' ``query`` calls about ``names``, made, not awaited."""
+        asked, where = locate(names, len(self.shards))
+        return IndexCalls([shard.query.remote(a) if a else None
+                           for shard, a in zip(self.shards, asked)], where, self.timeout_s)
+
     async def lookup(self, names: Sequence[bytes]) -> IndexAnswer | None:
         """The index's answer, or ``None`` if any shard did not answer in time."""
-        n = len(self.shards)
-        asked, where = locate(names, n)
-        calls = [asyncio.wrap_future(self.shards[k].query.remote(asked[k]).future())
-                 if asked[k] else _empty() for k in range(n)]
+        calls = self.ask(names)
+        pending = [asyncio.wrap_future(c.future()) for c in calls.calls if c is not None]
         try:
-            views = await asyncio.wait_for(asyncio.gather(*calls), self.timeout_s)
+            got = await asyncio.wait_for(asyncio.gather(*pending), self.timeout_s)
         except Exception:  # noqa: BLE001 - dead, restarting or slow: local hints instead
             return None
-        return answer([ShardView(*v) for v in views], where)
-
-
-async def _empty() -> ShardView:
-    return ShardView([], [])
+        return answer([ShardView(*v) for v in calls.views(got)], calls.where)
 
 
 class IndexRouting:
     """The prefill choice of ``PDCluster`` (a mixin: its state lives there)."""
 
     config: ClusterConfig
+    pd: PDCacheConfig
     prefill_router: PrefixRouter
+    decode_router: PrefixRouter
     index: IndexClient | None
     routed = collections.Counter[str]()   # by "index" / "hints" (replaced per cluster)
 
-    async def _ask_index(self, names: Sequence[bytes], *pinned: int | None) -> Asked:
-        """The index's answer for ``names``; not asked when every choice is ``pinned``."""
-        if self.index is None or not names or all(p is not None for p in pinned):
+    async def _ask_index(self, names: Sequence[bytes], prefill: int | None,
+                         decode: int | None, failed: Mapping[str, Sequence[int]]) -> Asked:
+        """The index's answer for ``names``; not asked when both choices are pinned, not
+        awaited when neither choice is left to it (``_chooses``): its calls then go to
+        prefill, which waits for them only to read L3."""
+        if self.index is None or not names or (prefill is not None and decode is not None):
             return Asked(None)
-        return Asked(await self.index.lookup(names))
+        if self._chooses(self.prefill_router, prefill, failed["prefill"]) or (
+                self.pd.cache.decode_cache
+                and self._chooses(self.decode_router, decode, failed["decode"])):
+            return Asked(await self.index.lookup(names))
+        return Asked(None, self.index.ask(names) if prefill is None else None)
+
+    @staticmethod
+    def _chooses(router: PrefixRouter, pinned: int | None, failed: Sequence[int]) -> bool:
+        """Whether the index's answer can change a role's choice: one not pinned, among
+        more than one live worker (one alone gets the request whatever the index says)."""
+        if pinned is not None:
+            return False
+        try:
+            return len(router.live(failed)) > 1
+        except NoLiveWorker:
+            return False
 
     async def _route_prefill(self, names: Sequence[bytes], failed: Sequence[int] = (),
                              asked: Asked | None = None) -> IndexRoute:
         """By the index if it answers (``asked``: its answer, else asked here), else by
         this front's hints."""
         live = self.prefill_router.live(failed)
-        found = (asked if asked is not None else await self._ask_index(names, None)).answer
+        if asked is not None and asked.calls is not None:
+            self.routed["at_once"] += 1   # one live worker: the index answers it directly
+            route = self.prefill_router.pick(names, failed)
+            return IndexRoute(route.worker, route.matched_pages, asked.calls)
+        if asked is None:
+            asked = Asked(await self.index.lookup(names) if self.index and names else None)
+        found = asked.answer
         if found is None:
             self.routed["hints"] += 1
             route = self.prefill_router.pick(names, failed)

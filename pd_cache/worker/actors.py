@@ -24,6 +24,7 @@ import ray
 import torch
 
 from pd_cache.core.config import PDCacheConfig
+from pd_cache.core.index_calls import IndexCalls, l3_held
 from pd_cache.core.request import Req
 from pd_cache.core.sealing import Keyring, KeyState
 from pd_cache.core.wire import DecodeInfo, PrefillInfo
@@ -140,18 +141,18 @@ class PrefillActor(_Hosted, PrefillWorker):
 
     @ray.method(num_returns=3)
     def prefill(self, req: Req, kept_pages: int | list[Any] = 0,
-                l3_pages: int | None = None) -> PrefillResult:
+                l3_pages: int | IndexCalls | None = None) -> PrefillResult:
         """-> info, the prompt's KV pages after the ``kept_pages`` decode holds, a hybrid
         prompt's states (``None`` when plain), as three objects. ``kept_pages`` may be a
         decode worker's ``reserve`` call (its ref in a list), awaited once the prompt is
-        computed."""
+        computed; ``l3_pages`` the page index's calls, awaited when L3 is read."""
         result, after = self._first(req, kept_pages, l3_pages)
         after()
         return result
 
     @ray.method(num_returns="streaming")
     def prefill_stream(self, req: Req, kept_pages: int | list[Any] = 0,
-                       l3_pages: int | None = None) -> Iterator[Any]:
+                       l3_pages: int | IndexCalls | None = None) -> Iterator[Any]:
         """``prefill``'s three objects as a stream, in that order: the info (the first
         token) goes back as soon as it is drawn, before the KV is stored for decode; the
         L3 write-through and the metrics follow once all three are on their way (so the
@@ -162,10 +163,12 @@ class PrefillActor(_Hosted, PrefillWorker):
         after()
 
     def _first(self, req: Req, kept_pages: int | list[Any],
-               l3_pages: int | None) -> Answered:
+               l3_pages: int | IndexCalls | None) -> Answered:
         self._saw(req)
         if isinstance(kept_pages, list):
             kept_pages = functools.partial(_reserved, kept_pages[0], req.rid)
+        if isinstance(l3_pages, IndexCalls):
+            return self.prefill_first(req, kept_pages, functools.partial(_indexed, l3_pages))
         return self.prefill_first(req, kept_pages, l3_pages)
 
 
@@ -178,6 +181,18 @@ def _reserved(ref: Any, rid: str) -> int:
         log.warning("request %s: decode's reservation failed (%s); a full handoff", rid,
                     type(e).__name__)
         return 0
+
+
+def _indexed(asked: IndexCalls) -> int | None:
+    """The leading pages L3 holds, as the page index answers ``asked``; ``None`` (unknown:
+    L3 is read as without an index) if a shard did not answer in time."""
+    try:
+        got = ray.get([call for call in asked.calls if call is not None],
+                      timeout=asked.timeout_s)
+    except Exception as e:  # noqa: BLE001 - dead, restarting or slow: read L3 without it
+        log.debug("the page index did not answer (%s)", type(e).__name__)
+        return None
+    return l3_held(asked.views(got), asked.where)
 
 
 class DecodeActor(_Hosted, DecodeWorker):
