@@ -28,7 +28,6 @@ from pd_cache.core.events import (
     KVEvent,
     PagesStored,
     WorkerHit,
-    shard_of,
 )
 from pd_cache.core.fields import check_int_at_least
 from pd_cache.core.index_calls import l3_held
@@ -128,19 +127,6 @@ class PageIndex:
                     self.masks[name] = mask & keep
                 else:
                     del self.masks[name]
-
-
-def locate(names: Sequence[bytes], num_shards: int) -> tuple[list[list[bytes]],
-                                                           list[tuple[int, int]]]:
-    """The names each shard is asked about, and where each of ``names`` is among them
-    (``(shard, position)``, what ``answer`` takes)."""
-    asked: list[list[bytes]] = [[] for _ in range(num_shards)]
-    where = []
-    for name in names:
-        k = shard_of(name, num_shards)
-        where.append((k, len(asked[k])))
-        asked[k].append(name)
-    return asked, where
 
 
 def answer(views: Sequence[ShardView], where: Sequence[tuple[int, int]]) -> IndexAnswer:

@@ -33,12 +33,12 @@ import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-from pd_cache.cluster.index import ShardView, answer, locate
+from pd_cache.cluster.index import ShardView, answer
 from pd_cache.cluster.router import NoLiveWorker, PrefixRouter, Route
 from pd_cache.core.cluster_config import ClusterConfig
 from pd_cache.core.config import PDCacheConfig
 from pd_cache.core.events import IndexAnswer
-from pd_cache.core.index_calls import IndexCalls
+from pd_cache.core.index_calls import AskIndex, locate
 
 
 class RouteWeights(NamedTuple):
@@ -58,11 +58,11 @@ class RouteWeights(NamedTuple):
 class Asked(NamedTuple):
     """The index's answer for one request's names, asked once per attempt and shared by the
     decode and prefill choices (``None``: no index, nothing to choose, or no answer in
-    time); or, when no choice needs it, its ``calls``, sent on unawaited for prefill's L3
-    read (``pd_cache.core.index_calls``)."""
+    time); or, when no choice needs it, ``ask``: prefill asks it itself, for its L3 read
+    (``pd_cache.core.index_calls``)."""
 
     answer: IndexAnswer | None
-    calls: IndexCalls | None = None
+    ask: AskIndex | None = None
 
 
 class IndexRoute(NamedTuple):
@@ -71,7 +71,7 @@ class IndexRoute(NamedTuple):
 
     worker: int
     matched_pages: int
-    l3_pages: int | IndexCalls | None
+    l3_pages: int | AskIndex | None
 
 
 def cost(found: IndexAnswer, publisher: str, num_pages: int, excess: int,
@@ -126,21 +126,21 @@ class IndexClient:
     def __init__(self, shards: Sequence[Any], timeout_s: float) -> None:
         self.shards, self.timeout_s = list(shards), timeout_s
 
-    def ask(self, names: Sequence[bytes]) -> IndexCalls:
-        """The shards' ``query`` calls about ``names``, made, not awaited."""
-        asked, where = locate(names, len(self.shards))
-        return IndexCalls([shard.query.remote(a) if a else None
-                           for shard, a in zip(self.shards, asked)], where, self.timeout_s)
-
     async def lookup(self, names: Sequence[bytes]) -> IndexAnswer | None:
         """The index's answer, or ``None`` if any shard did not answer in time."""
-        calls = self.ask(names)
-        pending = [asyncio.wrap_future(c.future()) for c in calls.calls if c is not None]
+        n = len(self.shards)
+        asked, where = locate(names, n)
+        calls = [asyncio.wrap_future(self.shards[k].query.remote(asked[k]).future())
+                 if asked[k] else _empty() for k in range(n)]
         try:
-            got = await asyncio.wait_for(asyncio.gather(*pending), self.timeout_s)
+            views = await asyncio.wait_for(asyncio.gather(*calls), self.timeout_s)
         except Exception:  # noqa: BLE001 - dead, restarting or slow: local hints instead
             return None
-        return answer([ShardView(*v) for v in calls.views(got)], calls.where)
+        return answer([ShardView(*v) for v in views], where)
+
+
+async def _empty() -> ShardView:
+    return ShardView([], [])
 
 
 class IndexRouting:
@@ -156,15 +156,15 @@ class IndexRouting:
     async def _ask_index(self, names: Sequence[bytes], prefill: int | None,
                          decode: int | None, failed: Mapping[str, Sequence[int]]) -> Asked:
         """The index's answer for ``names``; not asked when both choices are pinned, not
-        awaited when neither choice is left to it (``_chooses``): its calls then go to
-        prefill, which waits for them only to read L3."""
+        awaited when neither choice is left to it (``_chooses``): prefill then asks it
+        itself, for its L3 read, once its local hit is known."""
         if self.index is None or not names or (prefill is not None and decode is not None):
             return Asked(None)
         if self._chooses(self.prefill_router, prefill, failed["prefill"]) or (
                 self.pd.cache.decode_cache
                 and self._chooses(self.decode_router, decode, failed["decode"])):
             return Asked(await self.index.lookup(names))
-        return Asked(None, self.index.ask(names) if prefill is None else None)
+        return Asked(None, AskIndex(self.index.timeout_s) if prefill is None else None)
 
     @staticmethod
     def _chooses(router: PrefixRouter, pinned: int | None, failed: Sequence[int]) -> bool:
@@ -182,10 +182,10 @@ class IndexRouting:
         """By the index if it answers (``asked``: its answer, else asked here), else by
         this front's hints."""
         live = self.prefill_router.live(failed)
-        if asked is not None and asked.calls is not None:
-            self.routed["at_once"] += 1   # one live worker: the index answers it directly
+        if asked is not None and asked.ask is not None:
+            self.routed["at_once"] += 1   # one live worker: it asks the index itself
             route = self.prefill_router.pick(names, failed)
-            return IndexRoute(route.worker, route.matched_pages, asked.calls)
+            return IndexRoute(route.worker, route.matched_pages, asked.ask)
         if asked is None:
             asked = Asked(await self.index.lookup(names) if self.index and names else None)
         found = asked.answer

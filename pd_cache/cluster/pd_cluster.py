@@ -47,7 +47,7 @@ from pd_cache.cluster.operations import ClusterOperations
 from pd_cache.cluster.router import PrefixRouter
 from pd_cache.cluster.turns import Turns
 from pd_cache.core.cluster_config import ClusterConfig
-from pd_cache.core.index_calls import IndexCalls
+from pd_cache.core.index_calls import AskIndex
 from pd_cache.core.request import Req, compute_prefix_hash
 from pd_cache.core.wire import Completion, DecodeInfo, PageNames, PrefillInfo
 
@@ -236,15 +236,15 @@ class PDCluster(IndexRouting, DecodeRouting, ClusterOperations):
 
     async def _prefill(self, req: Req, names: list[bytes], pinned: int | None,
                        failed: Sequence[int] = (), reserved: Reserved = NOTHING,
-                       l3_pages: int | IndexCalls | None = None,
+                       l3_pages: int | AskIndex | None = None,
                        asked: Asked | None = None) -> tuple[PrefillInfo, Any]:
         """Route and run prefill by ``names`` (the prompt's, ``router_names``); the router
         learns the pages the worker now holds. The KV handed over starts after the pages
         ``reserved`` on decode; if prefill fails, that reservation is released.
         ``l3_pages``: the leading pages of ``names`` L3 holds (the worker reads them with
         no ``exists``); ``None``: what the page index answers when it routes (``asked``:
-        its answer for this attempt, else asked here; or its calls, for the worker to
-        await), else none."""
+        its answer for this attempt, else asked here; or ``AskIndex``: the worker asks
+        it), else none."""
         self.liveness["prefill"].refresh()
         call = None
         try:

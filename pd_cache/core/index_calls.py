@@ -1,13 +1,12 @@
-"""The page index's answer about one prompt, still under way.
+"""The page index asked by the prefill worker itself, when the front need not wait for it.
 
-A front that need not wait for the index to route (one live prefill worker, and no decode
-choice left to it) sends the prefill call at once and hands the worker the index's query
-calls instead of their answer; the worker waits for them only when it reads L3, so the
-query runs while the call travels and the prompt is matched locally::
+A front that has no choice for the index to make (one live prefill worker, and no decode
+choice left to it) sends the prefill call at once with ``AskIndex`` in place of the count
+of leading pages L3 holds; the worker asks the index's shards once its local hit is known,
+with its own page names, and reads from L3 what they vouch for::
 
-    front:  shard.query.remote(names_k) per shard  ->  IndexCalls(calls, where, timeout_s)
-            prefill.remote(req, ..., IndexCalls)       (refs nested: passed on unresolved)
-    worker: local match, then l3_held(get(calls))  ->  the leading pages L3 holds
+    front:  prefill.remote(req, ..., AskIndex(timeout_s))       no round trip first
+    worker: local match -> locate(names) -> shard.query per shard -> l3_held(views)
 
 A shard's view (its ``query``'s answer) is ``(masks, holders)``: per name asked the bit
 mask of its holders, and each bit's ``(publisher, tier)``.
@@ -16,26 +15,31 @@ mask of its holders, and each bit's ``(publisher, tier)``.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-from pd_cache.core.events import STORAGE_TIER
+from pd_cache.core.events import STORAGE_TIER, shard_of
 
 View = tuple[Sequence[int], Sequence[tuple[str, str]]]   # (masks, holders)
 
 
-class IndexCalls(NamedTuple):
-    """Per index shard, its ``query`` call (an object ref; ``None``: nothing asked of it);
-    ``where[i]``: name ``i``'s (shard, position in that shard's answer); how long an answer
-    may be waited for (``index_timeout_s``)."""
+class AskIndex(NamedTuple):
+    """Ask the page index for the count (``PrefillActor``), waiting at most ``timeout_s``
+    (``index_timeout_s``) for its shards' answers."""
 
-    calls: list[Any]
-    where: list[tuple[int, int]]
     timeout_s: float
 
-    def views(self, got: Sequence[View]) -> list[View]:
-        """Every shard's view, from ``got`` (the answers of the calls made, in order)."""
-        answers = iter(got)
-        return [next(answers) if call is not None else ([], []) for call in self.calls]
+
+def locate(names: Sequence[bytes], num_shards: int) -> tuple[list[list[bytes]],
+                                                           list[tuple[int, int]]]:
+    """The names each shard is asked about, and where each of ``names`` is among them
+    (``(shard, position)``, what ``l3_held`` and the index's ``answer`` take)."""
+    asked: list[list[bytes]] = [[] for _ in range(num_shards)]
+    where = []
+    for name in names:
+        k = shard_of(name, num_shards)
+        where.append((k, len(asked[k])))
+        asked[k].append(name)
+    return asked, where
 
 
 def l3_held(views: Sequence[View], where: Sequence[tuple[int, int]]) -> int:
@@ -46,6 +50,6 @@ def l3_held(views: Sequence[View], where: Sequence[tuple[int, int]]) -> int:
                 len(where))
 
 
-# NOTE: what prefill takes for the leading pages L3 holds: a count, a function answering it
-# once the worker needs it (``None`` from either: unknown), or ``None``.
-L3Pages = int | Callable[[], int | None] | None
+# NOTE: what prefill takes for the leading pages L3 holds: a count, a function of the
+# prompt's page names answering it (``None``: unknown), or ``None`` (no index).
+L3Pages = int | Callable[[Sequence[bytes]], int | None] | None

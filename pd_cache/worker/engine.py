@@ -129,7 +129,8 @@ class LocalEngine(Decoding):
         """``prefill`` whose L3 write-through is not yet issued: ``after()`` issues it. The
         prompt's pages are cached already; only the background write waits, so that a
         worker answers before its writer thread competes for the interpreter. ``l3_pages``
-        may be a function answering it, called once the local hit is known."""
+        may be a function of the prompt's page names answering it, called once the local
+        hit is known."""
         self._check_request(req)
         key = CacheKey.for_request(req, page_size=self.page_size,
                                    algo=self.config.cache.hash_algo)
@@ -157,8 +158,8 @@ class LocalEngine(Decoding):
 
     def _prefill_locked(self, req: Req, key: CacheKey, match: MatchResult, usable: int,
                         seed: bytes, refused: int, l3_pages: L3Pages) -> Answered:
-        if callable(l3_pages):   # NOTE: the index's answer, awaited only now (index_calls)
-            l3_pages = l3_pages() if self.controller is not None else None
+        if callable(l3_pages):   # NOTE: the index asked only now (``core.index_calls``)
+            l3_pages = l3_pages(key.names) if self.controller is not None else None
         wanted = key.names[match.num_pages:usable]
         stored = self._match_storage(req, wanted, key.names[:match.num_pages], l3_pages)
         check_pages(stored.pages, self.layout, field="_match_storage: pages")

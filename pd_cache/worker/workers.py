@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from pd_cache.core.config import PDCacheConfig
+from pd_cache.core.index_calls import L3Pages
 from pd_cache.core.request import Req, compute_prefix_hash
 from pd_cache.core.vocab import TIERS, Event, MissReason, namespace_kind
 from pd_cache.core.wire import DecodeInfo, PrefillInfo, WorkerState
@@ -137,17 +138,15 @@ class PrefillWorker(_Worker):
     role = "prefill"
 
     def prefill(self, req: Req, kept_pages: int | Callable[[], int] = 0,
-                l3_pages: int | Callable[[], int | None] | None = None) -> PrefillResult:
+                l3_pages: L3Pages = None) -> PrefillResult:
         """``prefill_first``'s answer, what follows it done."""
         result, after = self.prefill_first(req, kept_pages, l3_pages)
         after()
         return result
 
     def prefill_first(self, req: Req, kept_pages: int | Callable[[], int] = 0,
-                      l3_pages: int | Callable[[], int | None] | None = None) -> Answered:
-        """The ``PrefillResult``, and what may follow once it is on its way (``after``: the
-        L3 write-through, then the metrics).
-
+                      l3_pages: L3Pages = None) -> Answered:
+        """The ``PrefillResult``, and what follows once it is on its way (``after``).
         Raises ``ValueError`` for a request the model cannot serve (nothing is cached),
         ``DeadlineExceeded`` for one past its deadline (nothing is computed).
 
@@ -155,7 +154,8 @@ class PrefillWorker(_Worker):
         there), or a function answering it, called once the prompt is computed (so the
         reservation runs meanwhile; an answer out of range hands over the whole prompt);
         the KV returned starts after them. ``l3_pages``: the prompt chain's leading pages
-        L3 holds as a page index says (or a function answering it; ``None``: no index)."""
+        L3 holds as a page index says (or a function of its names answering it; ``None``:
+        no index). ``after`` issues the L3 write-through and records the metrics."""
         req.check_deadline("prefill")
         full = len(req.input_ids) // self.page_size
         if not callable(kept_pages) and not pages_in(kept_pages, full):
