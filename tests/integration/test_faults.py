@@ -26,6 +26,7 @@ from tests.integration.clusters import (
     assert_idle,
     expected,
     started,
+    stream_killing,
     stream_killing_decode,
     wait_healthy,
 )
@@ -246,28 +247,20 @@ def test_a_prefill_worker_killed_after_its_answer_before_its_kv_resumes_the_stre
     names = holding.router_names(turn2)
     pids = ray.get([a.pid.remote() for a in holding.prefill])
     reserved = holding.engine_stats()["decode-0"].get("keep/reserved", 0)
-    killed: list[int] = []
 
-    async def consume() -> tuple[list[int], Completion]:
-        tokens: list[int] = []
-        async for item in holding.stream(turn2):
-            if isinstance(item, Completion):
-                return tokens, item
-            tokens.append(item)
-            if not killed:   # the first token: its worker holds the KV for 1 s more
-                killed.append(max(range(2), key=lambda w: holding.prefill_router.matched(
-                    w, names)))
-                os.kill(pids[killed[0]], signal.SIGKILL)
-        raise AssertionError("the stream ended without a completion")
-
-    tokens, out = asyncio.run(asyncio.wait_for(consume(), 60))
+    def answered() -> tuple[int, int]:   # the first token: its worker holds the KV 1 s more
+        worker = max(range(2), key=lambda w: holding.prefill_router.matched(w, names))
+        return worker, pids[worker]
+    tokens, out, victim, pid = stream_killing(holding, turn2, 1, answered)
     want = expected(model, turn2)
     assert tokens == want and out.output_ids == want     # nothing lost, nothing twice
-    assert out.attempts == 2 and out.prefill_worker == killed[0]
+    assert out.attempts == 2 and out.prefill_worker == victim
     stats = holding.engine_stats()["decode-0"]
     assert stats.get("keep/reserved", 0) > reserved      # the turn's pages were reserved
-    wait_healthy(holding, "prefill", worker=killed[0])
-    assert ray.get(holding.prefill[killed[0]].pid.remote()) != pids[killed[0]]
+    wait_healthy(holding, "prefill", worker=victim)
+    assert ray.get(holding.prefill[victim].pid.remote()) != pid
     holding.flush()
     assert_idle(holding)
     assert all(not s.requests for s in holding.states())
+    assert holding.turns.held == 0 and holding.prefill_router.loads == [0, 0]
+    assert holding.decode_router.loads == [0]
