@@ -28,9 +28,9 @@ from pd_cache.core.events import (
     KVEvent,
     PagesStored,
     WorkerHit,
+    shard_of,
 )
 from pd_cache.core.fields import check_int_at_least
-from pd_cache.core.index_calls import l3_held
 
 Holder = tuple[str, str]   # (publisher, tier)
 LAGS = 100_000             # apply lags kept (the benchmark reads them)
@@ -129,11 +129,25 @@ class PageIndex:
                     del self.masks[name]
 
 
+def locate(names: Sequence[bytes], num_shards: int) -> tuple[list[list[bytes]],
+                                                           list[tuple[int, int]]]:
+    """The names each shard is asked about, and where each of ``names`` is among them
+    (``(shard, position)``, what ``answer`` takes)."""
+    asked: list[list[bytes]] = [[] for _ in range(num_shards)]
+    where = []
+    for name in names:
+        k = shard_of(name, num_shards)
+        where.append((k, len(asked[k])))
+        asked[k].append(name)
+    return asked, where
+
+
 def answer(views: Sequence[ShardView], where: Sequence[tuple[int, int]]) -> IndexAnswer:
     """The answer for a request's names from its shards' ``views``; ``where[i]`` is name
     ``i``'s (shard, position in that shard's view)."""
     held = [_holders(views[s], views[s].masks[j]) for s, j in where]
-    l3 = l3_held(views, where)
+    l3 = next((i for i, h in enumerate(held) if not any(t == STORAGE_TIER for _, t in h)),
+              len(held))
     workers = {}
     for pub in {p for h in held for p, t in h if t != STORAGE_TIER}:
         device = pages = 0

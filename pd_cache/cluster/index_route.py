@@ -30,15 +30,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from pd_cache.cluster.index import ShardView, answer
-from pd_cache.cluster.router import NoLiveWorker, PrefixRouter, Route
+from pd_cache.cluster.index import ShardView, answer, locate
+from pd_cache.cluster.router import PrefixRouter, Route
 from pd_cache.core.cluster_config import ClusterConfig
-from pd_cache.core.config import PDCacheConfig
 from pd_cache.core.events import IndexAnswer
-from pd_cache.core.index_calls import AskIndex, locate
 
 
 class RouteWeights(NamedTuple):
@@ -58,11 +56,9 @@ class RouteWeights(NamedTuple):
 class Asked(NamedTuple):
     """The index's answer for one request's names, asked once per attempt and shared by the
     decode and prefill choices (``None``: no index, nothing to choose, or no answer in
-    time); or, when no choice needs it, ``ask``: prefill asks it itself, for its L3 read
-    (``pd_cache.core.index_calls``)."""
+    time)."""
 
     answer: IndexAnswer | None
-    ask: AskIndex | None = None
 
 
 class IndexRoute(NamedTuple):
@@ -71,7 +67,7 @@ class IndexRoute(NamedTuple):
 
     worker: int
     matched_pages: int
-    l3_pages: int | AskIndex | None
+    l3_pages: int | None
 
 
 def cost(found: IndexAnswer, publisher: str, num_pages: int, excess: int,
@@ -147,48 +143,22 @@ class IndexRouting:
     """The prefill choice of ``PDCluster`` (a mixin: its state lives there)."""
 
     config: ClusterConfig
-    pd: PDCacheConfig
     prefill_router: PrefixRouter
-    decode_router: PrefixRouter
     index: IndexClient | None
     routed = collections.Counter[str]()   # by "index" / "hints" (replaced per cluster)
 
-    async def _ask_index(self, names: Sequence[bytes], prefill: int | None,
-                         decode: int | None, failed: Mapping[str, Sequence[int]]) -> Asked:
-        """The index's answer for ``names``; not asked when both choices are pinned, not
-        awaited when neither choice is left to it (``_chooses``): prefill then asks it
-        itself, for its L3 read, once its local hit is known."""
-        if self.index is None or not names or (prefill is not None and decode is not None):
+    async def _ask_index(self, names: Sequence[bytes], *pinned: int | None) -> Asked:
+        """The index's answer for ``names``; not asked when every choice is ``pinned``."""
+        if self.index is None or not names or all(p is not None for p in pinned):
             return Asked(None)
-        if self._chooses(self.prefill_router, prefill, failed["prefill"]) or (
-                self.pd.cache.decode_cache
-                and self._chooses(self.decode_router, decode, failed["decode"])):
-            return Asked(await self.index.lookup(names))
-        return Asked(None, AskIndex(self.index.timeout_s) if prefill is None else None)
-
-    @staticmethod
-    def _chooses(router: PrefixRouter, pinned: int | None, failed: Sequence[int]) -> bool:
-        """Whether the index's answer can change a role's choice: one not pinned, among
-        more than one live worker (one alone gets the request whatever the index says)."""
-        if pinned is not None:
-            return False
-        try:
-            return len(router.live(failed)) > 1
-        except NoLiveWorker:
-            return False
+        return Asked(await self.index.lookup(names))
 
     async def _route_prefill(self, names: Sequence[bytes], failed: Sequence[int] = (),
                              asked: Asked | None = None) -> IndexRoute:
         """By the index if it answers (``asked``: its answer, else asked here), else by
         this front's hints."""
         live = self.prefill_router.live(failed)
-        if asked is not None and asked.ask is not None:
-            self.routed["at_once"] += 1   # one live worker: it asks the index itself
-            route = self.prefill_router.pick(names, failed)
-            return IndexRoute(route.worker, route.matched_pages, asked.ask)
-        if asked is None:
-            asked = Asked(await self.index.lookup(names) if self.index and names else None)
-        found = asked.answer
+        found = (asked if asked is not None else await self._ask_index(names, None)).answer
         if found is None:
             self.routed["hints"] += 1
             route = self.prefill_router.pick(names, failed)

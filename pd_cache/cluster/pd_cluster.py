@@ -47,7 +47,6 @@ from pd_cache.cluster.operations import ClusterOperations
 from pd_cache.cluster.router import PrefixRouter
 from pd_cache.cluster.turns import Turns
 from pd_cache.core.cluster_config import ClusterConfig
-from pd_cache.core.index_calls import AskIndex
 from pd_cache.core.request import Req, compute_prefix_hash
 from pd_cache.core.wire import Completion, DecodeInfo, PageNames, PrefillInfo
 
@@ -121,7 +120,7 @@ class PDCluster(IndexRouting, DecodeRouting, ClusterOperations):
         for attempt in (1, 2):
             try:
                 async with self.turns.turn(req.tenant):
-                    asked = await self._ask_index(names, prefill_worker, decode_worker, failed)
+                    asked = await self._ask_index(names, prefill_worker, decode_worker)
                     reserved = self._reserve(req, names, decode_worker, failed["decode"],
                                              asked.answer)
                     info, handoff = await self._prefill(req, names, prefill_worker,
@@ -161,7 +160,7 @@ class PDCluster(IndexRouting, DecodeRouting, ClusterOperations):
         while True:
             try:
                 async with self.turns.turn(req.tenant):
-                    asked = await self._ask_index(names, None, None, failed)
+                    asked = await self._ask_index(names, None)
                     reserved = self._reserve(part, names, None, failed["decode"], asked.answer)
                     info, handoff = await self._prefill(part, names, None, failed["prefill"],
                                                         reserved, asked=asked)
@@ -236,15 +235,14 @@ class PDCluster(IndexRouting, DecodeRouting, ClusterOperations):
 
     async def _prefill(self, req: Req, names: list[bytes], pinned: int | None,
                        failed: Sequence[int] = (), reserved: Reserved = NOTHING,
-                       l3_pages: int | AskIndex | None = None,
+                       l3_pages: int | None = None,
                        asked: Asked | None = None) -> tuple[PrefillInfo, Any]:
         """Route and run prefill by ``names`` (the prompt's, ``router_names``); the router
         learns the pages the worker now holds. The KV handed over starts after the pages
         ``reserved`` on decode; if prefill fails, that reservation is released.
         ``l3_pages``: the leading pages of ``names`` L3 holds (the worker reads them with
         no ``exists``); ``None``: what the page index answers when it routes (``asked``:
-        its answer for this attempt, else asked here; or ``AskIndex``: the worker asks
-        it), else none."""
+        its answer for this attempt, else asked here), else none."""
         self.liveness["prefill"].refresh()
         call = None
         try:

@@ -24,7 +24,6 @@ import ray
 import torch
 
 from pd_cache.core.config import PDCacheConfig
-from pd_cache.core.index_calls import AskIndex, l3_held, locate
 from pd_cache.core.request import Req
 from pd_cache.core.sealing import Keyring, KeyState
 from pd_cache.core.wire import DecodeInfo, PrefillInfo
@@ -41,7 +40,6 @@ ACTOR_ENV = {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1", "OMP_NUM_THREADS": "1",
              "PYTHONMALLOC": "pymalloc"}
 DECODE_CONCURRENCY = 64   # decode calls one batching actor takes in at once
 RESERVE_WAIT_S = 2.0      # how long a computed prompt waits for decode's reservation
-INDEX_QUIET_S = 1.0       # a page index that did not answer is not asked again for this long
 ActorOptions = dict[str, Any]
 
 
@@ -139,24 +137,22 @@ class PrefillActor(_Hosted, PrefillWorker):
         super().__init__(config, worker_id=worker_id, **_in_process(
             config, storage_handles, threads, storage_timeout_s, self._host(keyring)))
         self.algo, self.hold_s = config.cache.hash_algo, hold_s
-        self._index, self._shards = list(index), None   # the page index, asked by name
-        self._index_quiet = 0.0
         self._publish(index)
 
     @ray.method(num_returns=3)
     def prefill(self, req: Req, kept_pages: int | list[Any] = 0,
-                l3_pages: int | AskIndex | None = None) -> PrefillResult:
+                l3_pages: int | None = None) -> PrefillResult:
         """-> info, the prompt's KV pages after the ``kept_pages`` decode holds, a hybrid
         prompt's states (``None`` when plain), as three objects. ``kept_pages`` may be a
         decode worker's ``reserve`` call (its ref in a list), awaited once the prompt is
-        computed; ``l3_pages`` may be ``AskIndex``: this worker asks the page index."""
+        computed."""
         result, after = self._first(req, kept_pages, l3_pages)
         after()
         return result
 
     @ray.method(num_returns="streaming")
     def prefill_stream(self, req: Req, kept_pages: int | list[Any] = 0,
-                       l3_pages: int | AskIndex | None = None) -> Iterator[Any]:
+                       l3_pages: int | None = None) -> Iterator[Any]:
         """``prefill``'s three objects as a stream, in that order: the info (the first
         token) goes back as soon as it is drawn, before the KV is stored for decode; the
         L3 write-through and the metrics follow once all three are on their way (so the
@@ -171,34 +167,11 @@ class PrefillActor(_Hosted, PrefillWorker):
         after()
 
     def _first(self, req: Req, kept_pages: int | list[Any],
-               l3_pages: int | AskIndex | None) -> Answered:
+               l3_pages: int | None) -> Answered:
         self._saw(req)
         if isinstance(kept_pages, list):
             kept_pages = functools.partial(_reserved, kept_pages[0], req.rid)
-        if isinstance(l3_pages, AskIndex):
-            return self.prefill_first(req, kept_pages, functools.partial(self._l3_by_index,
-                                                                         l3_pages))
         return self.prefill_first(req, kept_pages, l3_pages)
-
-    def _l3_by_index(self, ask: AskIndex, names: Sequence[bytes]) -> int | None:
-        """The leading ``names`` L3 holds as the page index answers; ``None`` (unknown: L3
-        is read as without an index) if a shard did not answer within ``ask.timeout_s``,
-        and for ``INDEX_QUIET_S`` after (this worker's calls wait here one at a time)."""
-        from pd_cache.storage.tier import resolve
-
-        if not self._index or time.monotonic() < self._index_quiet:
-            return None
-        if self._shards is None:
-            self._shards = resolve(self._index)
-        asked, where = locate(names, len(self._shards))
-        try:
-            got = iter(ray.get([s.query.remote(a) for s, a in zip(self._shards, asked) if a],
-                               timeout=ask.timeout_s))
-        except Exception as e:  # noqa: BLE001 - dead, restarting or slow: read L3 without it
-            log.debug("the page index did not answer (%s)", type(e).__name__)
-            self._index_quiet = time.monotonic() + INDEX_QUIET_S
-            return None
-        return l3_held([next(got) if a else ([], []) for a in asked], where)
 
 
 def _reserved(ref: Any, rid: str) -> int:

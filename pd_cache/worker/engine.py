@@ -34,7 +34,6 @@ from collections.abc import Callable
 import torch
 
 from pd_cache.core.config import PDCacheConfig
-from pd_cache.core.index_calls import L3Pages
 from pd_cache.core.request import Req
 from pd_cache.core.stats import Stats
 from pd_cache.core.vocab import Event, MissReason, Tier
@@ -125,12 +124,10 @@ class LocalEngine(Decoding):
         backup()
         return out
 
-    def prefill_first(self, req: Req, l3_pages: L3Pages = None) -> Answered:
+    def prefill_first(self, req: Req, l3_pages: int | None = None) -> Answered:
         """``prefill`` whose L3 write-through is not yet issued: ``after()`` issues it. The
         prompt's pages are cached already; only the background write waits, so that a
-        worker answers before its writer thread competes for the interpreter. ``l3_pages``
-        may be a function of the prompt's page names answering it, called once the local
-        hit is known."""
+        worker answers before its writer thread competes for the interpreter."""
         self._check_request(req)
         key = CacheKey.for_request(req, page_size=self.page_size,
                                    algo=self.config.cache.hash_algo)
@@ -157,9 +154,7 @@ class LocalEngine(Decoding):
         return self.cache.prefix_of(match, good), refused
 
     def _prefill_locked(self, req: Req, key: CacheKey, match: MatchResult, usable: int,
-                        seed: bytes, refused: int, l3_pages: L3Pages) -> Answered:
-        if callable(l3_pages):   # NOTE: the index asked only now (``core.index_calls``)
-            l3_pages = l3_pages(key.names) if self.controller is not None else None
+                        seed: bytes, refused: int, l3_pages: int | None) -> Answered:
         wanted = key.names[match.num_pages:usable]
         stored = self._match_storage(req, wanted, key.names[:match.num_pages], l3_pages)
         check_pages(stored.pages, self.layout, field="_match_storage: pages")

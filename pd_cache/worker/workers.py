@@ -34,7 +34,6 @@ from typing import Any
 import torch
 
 from pd_cache.core.config import PDCacheConfig
-from pd_cache.core.index_calls import L3Pages
 from pd_cache.core.request import Req, compute_prefix_hash
 from pd_cache.core.vocab import TIERS, Event, MissReason, namespace_kind
 from pd_cache.core.wire import DecodeInfo, PrefillInfo, WorkerState
@@ -138,15 +137,17 @@ class PrefillWorker(_Worker):
     role = "prefill"
 
     def prefill(self, req: Req, kept_pages: int | Callable[[], int] = 0,
-                l3_pages: L3Pages = None) -> PrefillResult:
+                l3_pages: int | None = None) -> PrefillResult:
         """``prefill_first``'s answer, what follows it done."""
         result, after = self.prefill_first(req, kept_pages, l3_pages)
         after()
         return result
 
     def prefill_first(self, req: Req, kept_pages: int | Callable[[], int] = 0,
-                      l3_pages: L3Pages = None) -> Answered:
-        """The ``PrefillResult``, and what follows once it is on its way (``after``).
+                      l3_pages: int | None = None) -> Answered:
+        """The ``PrefillResult``, and what may follow once it is on its way (``after``: the
+        L3 write-through, then the metrics).
+
         Raises ``ValueError`` for a request the model cannot serve (nothing is cached),
         ``DeadlineExceeded`` for one past its deadline (nothing is computed).
 
@@ -154,14 +155,13 @@ class PrefillWorker(_Worker):
         there), or a function answering it, called once the prompt is computed (so the
         reservation runs meanwhile; an answer out of range hands over the whole prompt);
         the KV returned starts after them. ``l3_pages``: the prompt chain's leading pages
-        L3 holds as a page index says (or a function of its names answering it; ``None``:
-        no index). ``after`` issues the L3 write-through and records the metrics."""
+        L3 holds, as a page index says (read with no ``exists``; ``None``: no index)."""
         req.check_deadline("prefill")
         full = len(req.input_ids) // self.page_size
         if not callable(kept_pages) and not pages_in(kept_pages, full):
             raise ValueError(f"kept_pages: expected an int in [0, {full}], got {kept_pages!r}")
-        if l3_pages is not None and not callable(l3_pages) and (
-                isinstance(l3_pages, bool) or not isinstance(l3_pages, int) or l3_pages < 0):
+        if l3_pages is not None and (isinstance(l3_pages, bool) or not isinstance(l3_pages, int)
+                                     or l3_pages < 0):
             raise ValueError(f"l3_pages: expected an int >= 0 or None, got {l3_pages!r}")
         start = time.perf_counter()
         out, backup = self.engine.prefill_first(req, l3_pages)

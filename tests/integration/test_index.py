@@ -143,26 +143,3 @@ def test_a_front_with_no_hints_decodes_where_the_index_says_the_prefix_is_kept(
     assert done.output_ids == expected(model, turn) and second.routed["index"] == 1
     cluster.flush()
     assert_idle(cluster)
-
-
-def test_a_front_with_one_prefill_worker_leaves_the_index_to_it(cluster: PDCluster) -> None:
-    """A front with one prefill and one decode worker has no choice for the index to make:
-    the prefill call goes at once, and the worker, which never computed the prompt, asks
-    the index itself and reads from L3 the pages it says L3 holds."""
-    model = Model(CONFIG.pd_config.model)
-    first = prompt_reqs(7, 1)[0]
-    assert cluster.generate(first, prefill_worker=0).output_ids == expected(model, first)
-    cluster.flush()
-    full = len(first.input_ids) // PS
-    until(lambda: (a := lookup(cluster, first)) and a.l3_pages == full, "L3 holds the prompt")
-    one = PDCluster(CONFIG, cluster.prefill[1:], cluster.decode[:1], cluster.storage,
-                    cluster.index_actors)
-    queries = ray.get(cluster.index_actors[0].stats.remote())["query"]
-    again = Req(rid="i7-again", input_ids=first.input_ids, cache_salt="t", max_new_tokens=4)
-    out = one.generate(again)
-    assert out.output_ids == expected(model, again) and out.prefill_worker == 1
-    assert out.cached_tokens["storage"] == (len(first.input_ids) - 1) // PS * PS
-    assert one.routed == {"at_once": 1}
-    assert ray.get(cluster.index_actors[0].stats.remote())["query"] == queries + 1
-    cluster.flush()
-    assert_idle(cluster)
