@@ -2,7 +2,8 @@
 checkpoint, one request at a time, split by hop (``overhead.py``), old and new alternating.
 
     python benchmarks/peers/overhead_ab.py --old REV [--new REV] [--layout 1+1+1]
-        [--also REV@LAYOUT ...] [--repeats 3] [--requests 20] [--env KEY=VALUE ...]
+        [--also REV@LAYOUT[@KEY=VALUE,...] ...] [--repeats 3] [--requests 20]
+        [--env KEY=VALUE ...]
 
 Each repeat starts the server of each commit in turn (old, new, old, new, ...), so drifts
 in a shared machine's load fall on both alike; each commit runs from a temporary git
@@ -13,10 +14,10 @@ are medians of ``--requests`` requests) go under the layout's key in
 ``benchmarks/results/overhead.json`` (an entry it replaces moves to ``earlier``); the other
 layouts' entries are kept. ``--also REV@LAYOUT`` adds a side: a commit (``new``, ``old`` or
 any revision) on a layout, run in turn with the others (a third commit, or two layouts
-compared in the same minutes).
-``--env`` sets
-an environment variable for both servers (a Serve knob, say). Run it alone, under the
-shared Ray lock: it starts a Ray cluster per run.
+compared in the same minutes), with environment variables of its own after a second ``@``
+(a Serve knob on or off beside the same commit without it). ``--env`` sets an environment
+variable for every side. Run it alone, under the shared Ray lock: it starts a Ray cluster
+per run.
 """
 
 from __future__ import annotations
@@ -86,8 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--old", required=True, help="the commit before the change")
     ap.add_argument("--new", default="HEAD", help="the commit after it (default HEAD)")
     ap.add_argument("--layout", default="serve_config", help="serve_config or P+D+S")
-    ap.add_argument("--also", action="append", default=[], metavar="REV@LAYOUT",
-                    help="another side: REV (new, old or a commit) on LAYOUT")
+    ap.add_argument("--also", action="append", default=[], metavar="REV@LAYOUT[@K=V,...]",
+                    help="another side: REV (new, old or a commit) on LAYOUT, with the "
+                         "environment variables K=V")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--requests", type=int, default=20, help="requests a run")
     ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
@@ -102,21 +104,22 @@ def main(argv: list[str] | None = None) -> int:
     scratch = Path(tempfile.mkdtemp(prefix="pd-cache-overhead-"))
     trees: dict[str, Path] = {}
     revs = {"old": short(args.old), "new": short(args.new)}   # HEAD may move meanwhile
-    sides = {"old": ("old", args.layout), "new": ("new", args.layout)}
+    sides = {"old": ("old", args.layout, {}), "new": ("new", args.layout, {})}
     for also in args.also:
-        rev, layout = also.rsplit("@", 1)
+        rev, layout, *extra = also.split("@", 2)
         if rev not in revs:
             revs[rev] = short(rev)
-        sides[also] = (rev, layout)
+        sides[also] = (rev, layout, dict(kv.split("=", 1) for kv in
+                                         (extra[0].split(",") if extra else [])))
     runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
     load = [os.getloadavg()[0]]
     try:
         for side, rev in revs.items():
             trees[side] = checkout(rev, scratch / side)
         for i in range(args.repeats):
-            for side, (tree, layout) in sides.items():
+            for side, (tree, layout, own) in sides.items():
                 run = run_one(trees[tree], args.work_dir, model_dir, layout_flags(layout),
-                              env, args.requests, floor["min_ms"])
+                              {**env, **own}, args.requests, floor["min_ms"])
                 runs[side].append(run)
                 print(f"{layout} run {i + 1}/{args.repeats} {side}: overhead "
                       f"{run['serving_overhead_ms']} ms, hops {run['hops_p50_ms']}", flush=True)

@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,17 @@ from pd_cache.core.cluster_config import ClusterConfig
 
 DEFAULT_HOST = LOOPBACK
 PD_CACHE_APP = "pd_cache.front.serve:app"
+# NOTE: Ray Serve's knobs `pd-cache serve` sets unless the environment or the config's
+# runtime_env.env_vars does: user code and the handle router on the replica's main loop
+# (no hand-off between Serve's loop thread and another), request-path logs buffered (an
+# ERROR line still flushes them) and not copied to stderr. Measured: several ms of the
+# serving overhead (docs/peers.md). Safe for pd-cache's ingress: its handlers are async,
+# and its blocking calls (admin, pins, cache drops) run in threads (asyncio.to_thread),
+# so the loop that answers Serve's health checks is never held long.
+SERVE_KNOBS = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+               "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+               "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000",
+               "RAY_SERVE_LOG_TO_STDERR": "0"}
 START_FAILED = """\
 pd-cache serve: a Ray Serve actor died while the applications started ({error}).
 Serve health-checks its proxy and controller from the start (ready within 5 s, then checks
@@ -176,14 +188,20 @@ def _destroy_named_clusters(config: Any) -> None:
             PDCluster.destroy(name)
 
 
-def job_runtime_env(config: Any) -> dict[str, Any] | None:
+def job_runtime_env(config: Any, environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
     """The runtime_env of the job `pd-cache serve` runs: the applications' one (Serve's
-    controller and proxy inherit it)."""
+    controller and proxy inherit it), with ``SERVE_KNOBS`` that neither it nor ``environ``
+    sets."""
     envs = {repr(a.runtime_env) for a in config.applications if a.runtime_env}
     if len(envs) > 1:
         raise ValueError("applications[].runtime_env: pd-cache serve applies one runtime_env "
                          "to the whole job; give every application the same one")
-    return next((a.runtime_env for a in config.applications if a.runtime_env), None)
+    runtime_env = dict(next((a.runtime_env for a in config.applications if a.runtime_env),
+                            None) or {})
+    given = {**environ, **runtime_env.get("env_vars", {})}
+    runtime_env["env_vars"] = {**{k: v for k, v in SERVE_KNOBS.items() if k not in given},
+                               **runtime_env.get("env_vars", {})}
+    return runtime_env
 
 
 def _wait_for_stop() -> None:

@@ -56,7 +56,8 @@ def launch(config: ClusterConfig, name: str | None, secret: bytes | None) -> Lau
             "keyring": keyring,
             "storage_timeout_s": config.storage_timeout_s,
             "max_restarts": config.worker_restarts, "index": index_names}
-    prefill = [prefill_actor(pd, i, shard_names, actor=named("prefill", i), **opts)
+    prefill = [prefill_actor(pd, i, shard_names, actor=named("prefill", i),
+                             hold_s=config.prefill_hold_s, **opts)
                for i in range(config.num_prefill)]
     decode = [decode_actor(pd, i, shard_names, max_batch=config.decode_batch,
                            actor=named("decode", i), **opts)

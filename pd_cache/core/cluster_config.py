@@ -106,6 +106,8 @@ class ClusterConfig:
     storage_timeout_s: float = _knob(10.0, "bound on any wait for an L3 call (s)")
     storage_restarts: int = _knob(3, "restarts of a storage actor before it stays dead")
     worker_restarts: int = _knob(-1, "restarts of a prefill or decode actor (-1: always)")
+    prefill_hold_s: float = _knob(0.0, "fault injection: a prefill worker's wait between its "
+                                       "answer and the KV's handoff (s); 0 in service")
     metrics_interval_s: float = _knob(5.0, "how often each storage shard exports its counts (s)")
     index_shards: int = _knob(0, "page index actors fed by KV events (sharded by name); 0: "
                                  "each front routes by its own hints")
@@ -132,6 +134,7 @@ class ClusterConfig:
         check_bool("decode_pack", self.decode_pack)
         check_bool("decode_cache", self.decode_cache)
         check_non_negative("actor_cpus", self.actor_cpus)
+        check_non_negative("prefill_hold_s", self.prefill_hold_s)
         check_positive("storage_timeout_s", self.storage_timeout_s)
         check_positive("index_timeout_s", self.index_timeout_s)
         for name in ("route_compute_ms", "route_host_ms", "route_l3_ms", "route_queue_ms"):

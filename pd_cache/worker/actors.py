@@ -132,10 +132,11 @@ class _Hosted:
 class PrefillActor(_Hosted, PrefillWorker):
     def __init__(self, config: PDCacheConfig, worker_id: int, storage_handles: Sequence[Any],
                  threads: int = 1, storage_timeout_s: float | None = 10.0,
-                 keyring: Keyring | None = None, index: Sequence[Any] = ()) -> None:
+                 keyring: Keyring | None = None, index: Sequence[Any] = (),
+                 hold_s: float = 0.0) -> None:
         super().__init__(config, worker_id=worker_id, **_in_process(
             config, storage_handles, threads, storage_timeout_s, self._host(keyring)))
-        self.algo = config.cache.hash_algo
+        self.algo, self.hold_s = config.cache.hash_algo, hold_s
         self._publish(index)
 
     @ray.method(num_returns=3)
@@ -157,7 +158,11 @@ class PrefillActor(_Hosted, PrefillWorker):
         L3 write-through and the metrics follow once all three are on their way (so the
         call's end, ``completed()``, says the KV is stored)."""
         result, after = self._first(req, kept_pages, l3_pages)
-        for item in result:   # NOTE: not ``yield from``: Ray sends into the generator
+        info, *rest = result
+        yield info
+        if self.hold_s:   # NOTE: fault injection (ClusterConfig.prefill_hold_s), 0 in service
+            time.sleep(self.hold_s)
+        for item in rest:   # NOTE: not ``yield from``: Ray sends into the generator
             yield item
         after()
 
@@ -242,7 +247,8 @@ def named(name: str, namespace: str, *, detached: bool = True) -> ActorOptions:
 def prefill_actor(config: PDCacheConfig, worker_id: int, storage_handles: Sequence[Any] = (),
                   *, threads: int = 1, num_cpus: float = 0, max_restarts: int = 0,
                   storage_timeout_s: float | None = 10.0, keyring: Keyring | None = None,
-                  actor: ActorOptions | None = None, index: Sequence[Any] = ()) -> Any:
+                  actor: ActorOptions | None = None, index: Sequence[Any] = (),
+                  hold_s: float = 0.0) -> Any:
     """A ``PrefillActor`` handle; ``prefill.remote(req)`` returns ``(info_ref, pages_ref,
     states_ref)`` (states: a hybrid prompt's, ``None`` when plain); ``prefill_stream``
     streams the same three, the info first (what the router uses).
@@ -253,10 +259,12 @@ def prefill_actor(config: PDCacheConfig, worker_id: int, storage_handles: Sequen
     its calls are not retried by Ray (the router retries a request elsewhere). ``actor``:
     more Ray actor options (a name, a placement resource, ...). ``keyring``: the cluster's
     L3 keys (every worker of a cluster needs the same; ``None``: this worker's own).
-    ``index``: the page index's shards (``ShardName``), told of every page in L1 and L2."""
+    ``index``: the page index's shards (``ShardName``), told of every page in L1 and L2.
+    ``hold_s``: how long ``prefill_stream`` waits between its answer and the KV
+    (``ClusterConfig.prefill_hold_s``)."""
     return _remote(PrefillActor).options(**_options(num_cpus, max_restarts, 1, actor)).remote(
         config, worker_id, list(storage_handles), threads, storage_timeout_s, keyring,
-        list(index))
+        list(index), hold_s)
 
 
 def decode_actor(config: PDCacheConfig, worker_id: int, storage_handles: Sequence[Any] = (),

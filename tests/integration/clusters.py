@@ -89,7 +89,17 @@ def stream_killing_decode(cluster: Any, req: Req, after: int = 6
     the victim's index and pid."""
     import ray
 
-    victim: list[int] = []
+    def victim() -> tuple[int, int]:
+        worker = cluster.decode_router.loads.index(1)
+        return worker, ray.get(cluster.decode[worker].pid.remote())
+    return stream_killing(cluster, req, after, victim)
+
+
+def stream_killing(cluster: Any, req: Req, after: int, victim: Callable[[], tuple[int, int]]
+                   ) -> tuple[list[int], Completion, int, int]:
+    """Stream ``req``; once ``after`` tokens are in, kill -9 the worker ``victim()`` names
+    (its index and pid). Returns the tokens received, the completion, and the victim."""
+    killed: list[int] = []
 
     async def consume() -> tuple[list[int], Completion]:
         tokens: list[int] = []
@@ -98,13 +108,12 @@ def stream_killing_decode(cluster: Any, req: Req, after: int = 6
                 return tokens, item
             tokens.append(item)
             if len(tokens) == after:
-                worker = cluster.decode_router.loads.index(1)
-                victim.extend([worker, ray.get(cluster.decode[worker].pid.remote())])
-                os.kill(victim[1], signal.SIGKILL)
+                killed.extend(victim())
+                os.kill(killed[1], signal.SIGKILL)
         raise AssertionError("the stream ended without a completion")
 
     tokens, out = asyncio.run(asyncio.wait_for(consume(), 120))
-    return tokens, out, victim[0], victim[1]
+    return tokens, out, killed[0], killed[1]
 
 
 def until(check: Callable[[], bool], what: str, timeout_s: float = 30) -> None:

@@ -26,6 +26,7 @@ from tests.integration.clusters import (
     assert_idle,
     expected,
     started,
+    stream_killing,
     stream_killing_decode,
     wait_healthy,
 )
@@ -221,3 +222,45 @@ def test_a_stream_whose_decode_worker_is_killed_resumes_elsewhere(
     assert ray.get(cluster.decode[worker].pid.remote()) != pid
     cluster.flush()
     assert_idle(cluster)
+
+
+HOLD = ClusterConfig(num_prefill=2, num_decode=1, num_storage=0, model="tiny", page_size=PS,
+                     device_pages=64, host_pages=128, prefill_hold_s=1.0)
+
+
+@pytest.fixture
+def holding(ray_cluster: Any) -> Iterator[PDCluster]:
+    """A cluster whose prefill workers wait 1 s between their answer and the KV: the window
+    a test kills one in."""
+    yield from started(HOLD)
+
+
+def test_a_prefill_worker_killed_after_its_answer_before_its_kv_resumes_the_stream(
+        holding: PDCluster, model: Model) -> None:
+    """kill -9 of the prefill worker a conversation's next turn is on, once the first token
+    is in and before the worker stored the KV for decode: the stream goes on from the other
+    worker (prompt + the token sent), every token once, the answer the no-cache model's,
+    reported as a second attempt; decode's reservation of the turn's kept pages released,
+    and no lock or slot left anywhere once the worker is back."""
+    turn1, out1 = first_turn(holding, 25, "held", "tenant-h")
+    turn2 = next_turn(turn1, out1, [5, 6, 7], 6)
+    names = holding.router_names(turn2)
+    pids = ray.get([a.pid.remote() for a in holding.prefill])
+    reserved = holding.engine_stats()["decode-0"].get("keep/reserved", 0)
+
+    def answered() -> tuple[int, int]:   # the first token: its worker holds the KV 1 s more
+        worker = max(range(2), key=lambda w: holding.prefill_router.matched(w, names))
+        return worker, pids[worker]
+    tokens, out, victim, pid = stream_killing(holding, turn2, 1, answered)
+    want = expected(model, turn2)
+    assert tokens == want and out.output_ids == want     # nothing lost, nothing twice
+    assert out.attempts == 2 and out.prefill_worker == victim
+    stats = holding.engine_stats()["decode-0"]
+    assert stats.get("keep/reserved", 0) > reserved      # the turn's pages were reserved
+    wait_healthy(holding, "prefill", worker=victim)
+    assert ray.get(holding.prefill[victim].pid.remote()) != pid
+    holding.flush()
+    assert_idle(holding)
+    assert all(not s.requests for s in holding.states())
+    assert holding.turns.held == 0 and holding.prefill_router.loads == [0, 0]
+    assert holding.decode_router.loads == [0]

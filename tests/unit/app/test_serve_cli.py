@@ -113,3 +113,15 @@ def test_the_configs_logging_reaches_serve_and_turns_the_access_log_off(
         serve_cli.run(_serve_args("--model", "tiny"))
     assert calls["start"]["logging_config"].enable_access_log is False     # proxy, controller
     assert calls["run"]["logging_config"].enable_access_log is False       # the app's replicas
+
+
+def test_serve_knobs_join_the_job_env_unless_the_environment_or_the_config_sets_them(
+) -> None:
+    config = load_serve_config(CONFIG)
+    env = serve_cli.job_runtime_env(config, {})["env_vars"]
+    assert {k: env[k] for k in serve_cli.SERVE_KNOBS} == serve_cli.SERVE_KNOBS
+    assert env["OMP_NUM_THREADS"] == "1"                                  # the config's own
+    knob = "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"
+    assert knob not in serve_cli.job_runtime_env(config, {knob: "1"})["env_vars"]
+    config.applications[0].runtime_env["env_vars"][knob] = "1"
+    assert serve_cli.job_runtime_env(config, {})["env_vars"][knob] == "1"
