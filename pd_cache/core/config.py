@@ -160,7 +160,8 @@ class StorageConfig:
     many shards (``pd_cache.storage.replicas``; at most ``num_shards``): R copies hold 1/R
     as many distinct pages in the same ``capacity_bytes``. ``offload_min_pages``: decode's
     last write of a request is made only if it sends at least this many pages (a lone
-    answer page costs a set call, more CPU than recomputing it; ``1``: every page).
+    answer page costs a set call, more CPU than recomputing it; ``1``, the default: every
+    page).
     """
 
     enabled: bool = True
@@ -179,7 +180,7 @@ class StorageConfig:
     replicas: int = 1
     metrics_interval_s: float = 5.0
     seal: bool = True
-    offload_min_pages: int = 2
+    offload_min_pages: int = 1
 
     def __post_init__(self) -> None:
         one_of("storage.backend", self.backend, tuple(sorted(STORAGE_BACKENDS)))

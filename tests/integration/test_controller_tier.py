@@ -52,12 +52,12 @@ def test_turn_two_loads_turn_one_from_tier_actors(ray_cluster: Any) -> None:
 
 
 @pytest.mark.parametrize("min_pages, stored", [(2, 6), (1, 7)])
-def test_a_lone_answer_page_is_not_offloaded_by_default(ray_cluster: Any, min_pages: int,
-                                                        stored: int) -> None:
-    """24 prompt tokens (6 pages) and 5 new: decode's one write would send a single page
-    (tokens 24-27). The default (2) makes no such call; 1 makes it. The next turn's output
-    equals the no-cache model's either way."""
-    cfg = config(batch=4, policy="wait_complete", offload_min_pages=min_pages)
+def test_offload_min_pages_decides_whether_a_lone_answer_page_is_sent(
+        ray_cluster: Any, min_pages: int, stored: int) -> None:
+    """24 prompt tokens (6 pages, one write-through call) and 5 new: decode's one write
+    would send a single page (tokens 24-27). 2 makes no such call; 1 (the default) makes
+    it. The next turn's output equals the no-cache model's either way."""
+    cfg = config(batch=8, policy="wait_complete", offload_min_pages=min_pages)
     (handle,) = storage_actors(cfg)
     try:
         client = StorageClient([handle], timeout_s=10.0)

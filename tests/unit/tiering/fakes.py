@@ -28,9 +28,6 @@ SMALL = PDCacheConfig(model=TINY, cache=CacheConfig(page_size=PS, device_pages=1
 
 def config(batch: int = 3, policy: str = "best_effort", prefix_keys: bool = True,
            host: int = 64, **storage: Any) -> PDCacheConfig:
-    """The tiering tests' config; decode offloads every page (``offload_min_pages=1``:
-    these tests follow single pages through L3) unless told otherwise."""
-    storage.setdefault("offload_min_pages", 1)
     return PDCacheConfig(model=TINY, cache=CacheConfig(page_size=PS, device_pages=64,
                                                        host_pages=host),
                          storage=StorageConfig(batch_pages=batch, prefetch_policy=policy,
