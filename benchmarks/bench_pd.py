@@ -224,6 +224,10 @@ def main() -> None:
     parser.add_argument("--decode-pack", action=argparse.BooleanOptionalAction, default=True,
                         help="route decode to the busiest worker with batch room (fuller "
                              "batches) instead of the least loaded; the same in both modes")
+    parser.add_argument("--offload-min-pages", type=int, default=2,
+                        help="decode's last write of a request only if it sends this many "
+                             "pages (ClusterConfig.offload_min_pages; 2: an answer's lone "
+                             "page is recomputed, not offloaded)")
     parser.add_argument("--threads", type=int, default=ClusterConfig.threads,
                         help="torch threads per worker; the same in both modes")
     parser.add_argument("--lockstep", action=argparse.BooleanOptionalAction, default=False,
@@ -238,7 +242,7 @@ def main() -> None:
     stream = workload(wl)
     base = ClusterConfig(model=args.model, device_pages=512, host_pages=2048,
                          decode_batch=args.decode_batch, decode_pack=args.decode_pack,
-                         threads=args.threads)
+                         threads=args.threads, offload_min_pages=args.offload_min_pages)
     results = {}
     with ray_session(None):
         for mode, cache in (("on", True), ("off", False)):
@@ -282,7 +286,7 @@ def main() -> None:
     out = {
         "benchmark": "pd_cluster_multi_turn", "seed": SEED, "model": args.model,
         "workload": {**wl, "stream": stream.describe(), "lockstep": args.lockstep},
-        "decode_batch": args.decode_batch,
+        "decode_batch": args.decode_batch, "offload_min_pages": args.offload_min_pages,
         "decode_pack": args.decode_pack, "machine": {"cpus": os.cpu_count(),
                                              "python": platform.python_version()},
         "on": on, "off": off, "outputs_equal": same,

@@ -103,6 +103,9 @@ class ClusterConfig:
     max_pinned_fraction: float = _knob(0.5, "the most of each pool and L3 shard that pinned "
                                             "prefixes may hold (a fraction)")
     actor_cpus: float = _knob(0.0, "CPUs each worker actor reserves from Ray")
+    offload_min_pages: int = _knob(1, "decode's last write of a request only if it sends at "
+                                      "least this many pages (a lone answer page's set "
+                                      "costs more CPU than its recompute)")
     storage_timeout_s: float = _knob(10.0, "bound on any wait for an L3 call (s)")
     storage_restarts: int = _knob(3, "restarts of a storage actor before it stays dead")
     worker_restarts: int = _knob(-1, "restarts of a prefill or decode actor (-1: always)")
@@ -121,7 +124,7 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         for name in ("num_prefill", "num_decode", "threads", "decode_batch",
-                     "storage_replicas"):
+                     "storage_replicas", "offload_min_pages"):
             check_int_at_least(name, getattr(self, name), 1)
         for name in ("num_storage", "balance_threshold", "storage_restarts", "index_shards",
                      "prefill_queue_depth"):
@@ -165,4 +168,5 @@ class ClusterConfig:
                                   num_shards=max(1, self.num_storage),
                                   replicas=self.storage_replicas if self.with_storage else 1,
                                   prefetch_policy=self.prefetch_policy,
+                                  offload_min_pages=self.offload_min_pages,
                                   metrics_interval_s=self.metrics_interval_s))

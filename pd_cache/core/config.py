@@ -158,7 +158,10 @@ class StorageConfig:
     unsealed baseline. ``segment_pages``: a chain's pages live on the shards in runs of
     this many (``pd_cache.storage.placement``). ``replicas``: copies of each page, on that
     many shards (``pd_cache.storage.replicas``; at most ``num_shards``): R copies hold 1/R
-    as many distinct pages in the same ``capacity_bytes``.
+    as many distinct pages in the same ``capacity_bytes``. ``offload_min_pages``: decode's
+    last write of a request is made only if it sends at least this many pages (a lone
+    answer page costs a set call, more CPU than recomputing it; ``1``, the default: every
+    page).
     """
 
     enabled: bool = True
@@ -177,6 +180,7 @@ class StorageConfig:
     replicas: int = 1
     metrics_interval_s: float = 5.0
     seal: bool = True
+    offload_min_pages: int = 1
 
     def __post_init__(self) -> None:
         one_of("storage.backend", self.backend, tuple(sorted(STORAGE_BACKENDS)))
@@ -188,6 +192,7 @@ class StorageConfig:
         check_positive_int("storage.batch_pages", self.batch_pages)
         check_positive_int("storage.segment_pages", self.segment_pages)
         check_positive_int("storage.replicas", self.replicas)
+        check_positive_int("storage.offload_min_pages", self.offload_min_pages)
         check(self.replicas <= self.num_shards, "storage.replicas", self.replicas,
               f"<= storage.num_shards={self.num_shards}")
         one_of("storage.prefetch_policy", self.prefetch_policy, PREFETCH_POLICIES)

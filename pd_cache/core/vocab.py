@@ -83,6 +83,7 @@ RESERVED, KEPT, LOST, SEAM, REFILLED = "reserved", "kept", "lost", "seam_mismatc
 # A handoff's pages: sent from prefill, or kept on decode (metric label values).
 HANDOFF_KINDS = ("sent", "kept")
 PAGE, FAILED_BATCH = "page", "failed_batch"
+SKIPPED = "skipped"   # ``offload/skipped``: pages of a last write too small to make
 # A hybrid model's recurrent states at checkpoint pages: ``state/<reason>`` counts what
 # the read path found (hit, or a MissReason) and ``backup|offload/state`` what was written.
 STATE = "state"

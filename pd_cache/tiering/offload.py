@@ -31,8 +31,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pd_cache.core.fields import check_int_at_least
 from pd_cache.core.request import Req, compute_prefix_hash
-from pd_cache.core.vocab import GENERATED, OFFLOAD, PROMPT
+from pd_cache.core.vocab import GENERATED, OFFLOAD, PROMPT, SKIPPED
 from pd_cache.kv.pages import kv_to_pages
 from pd_cache.kv.state import checkpoints
 from pd_cache.tiering.controller import CacheController
@@ -67,10 +68,13 @@ class DecodeOffloadManager:
     """Backs up a decoding request's KV pages to L3 through a ``CacheController``.
 
     ``stride`` (tokens, default ``DEFAULT_STRIDE_PAGES`` pages) is how many newly
-    computed tokens are gathered before their full pages are written.
+    computed tokens are gathered before their full pages are written. ``min_pages``: the
+    request's last write is made only if it sends at least that many pages (fewer are
+    counted ``offload/skipped``): one call per page costs more than recomputing the page.
     """
 
-    def __init__(self, controller: CacheController, *, stride: int | None = None) -> None:
+    def __init__(self, controller: CacheController, *, stride: int | None = None,
+                 min_pages: int = 1) -> None:
         if not isinstance(controller, CacheController):
             raise ValueError(f"controller: expected a CacheController, got "
                              f"{type(controller).__name__}")
@@ -80,6 +84,8 @@ class DecodeOffloadManager:
         if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
             raise ValueError(f"stride: expected an int >= 1 (tokens), got {stride!r}")
         self.stride = stride
+        check_int_at_least("min_pages", min_pages, 1)
+        self.min_pages = min_pages
 
     def offload_kv_cache(self, req: Req, names: Sequence[bytes] | None = None,
                          states: Mapping[int, torch.Tensor] | None = None, *,
@@ -120,10 +126,15 @@ class DecodeOffloadManager:
         if (full <= done and not (final and state.prompt_pending)) \
                 or (waiting < self.stride and not final):
             return 0
+        start = state.prompt_start if state.prompt_pending else done
+        if final and max(full, done) - start < self.min_pages:
+            # NOTE: a lone answer page: its set call costs more CPU than its recompute.
+            self.controller.stats.count(OFFLOAD, SKIPPED, max(full, done) - start)
+            state.prompt_pending, state.prompt_states = False, None
+            return 0
         new = compute_prefix_hash(state.req, tokens[done * ps:full * ps], state.last_name,
                                   page_size=ps, algo=self.controller.algo) \
             if full > done else []
-        start = state.prompt_start if state.prompt_pending else done
         states = {i - start: page_states[i]
                   for i in checkpoints(done, full - 1, self.controller.state_every)
                   if page_states and i in page_states}

@@ -100,7 +100,9 @@ class LocalEngine(Decoding):
                                               stats=self.stats, alloc=self._host_slots,
                                               call_timeout_s=storage_timeout_s,
                                               metrics=metrics, state_every=self.state_every)
-            self.offload = DecodeOffloadManager(self.controller, stride=offload_stride)
+            self.offload = DecodeOffloadManager(
+                self.controller, stride=offload_stride,
+                min_pages=self.config.storage.offload_min_pages)
 
     # -- the request path -----------------------------------------------------------------
 

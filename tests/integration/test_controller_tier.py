@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from pd_cache.core.request import Req, compute_prefix_hash
-from pd_cache.core.vocab import PREFETCH_ACK, PREFETCH_BATCH, Event, MissReason
+from pd_cache.core.vocab import OFFLOAD, PREFETCH_ACK, PREFETCH_BATCH, SKIPPED, Event, MissReason
 from pd_cache.storage.client import StorageClient
 from pd_cache.storage.tier import storage_actors
 from pd_cache.worker.engine import LocalEngine
@@ -49,6 +49,37 @@ def test_turn_two_loads_turn_one_from_tier_actors(ray_cluster: Any) -> None:
     finally:
         for h in handles:
             ray.kill(h)
+
+
+@pytest.mark.parametrize("min_pages, stored", [(2, 6), (1, 7)])
+def test_offload_min_pages_decides_whether_a_lone_answer_page_is_sent(
+        ray_cluster: Any, min_pages: int, stored: int) -> None:
+    """24 prompt tokens (6 pages, one write-through call) and 5 new: decode's one write
+    would send a single page (tokens 24-27). 2 makes no such call; 1 (the default) makes
+    it. The next turn's output equals the no-cache model's either way."""
+    cfg = config(batch=8, policy="wait_complete", offload_min_pages=min_pages)
+    (handle,) = storage_actors(cfg)
+    try:
+        client = StorageClient([handle], timeout_s=10.0)
+        engine = LocalEngine(cfg, storage=client)
+        turn1 = Req(rid="t1", input_ids=prompt(40, 24), cache_salt="t", max_new_tokens=5)
+        engine.generate(turn1)
+        assert engine.flush(30)
+        assert client.usage().records == stored
+        assert ray.get(handle.calls.remote())["set"] == 1 + (stored == 7)
+        assert engine.stats.get(OFFLOAD, SKIPPED) == (stored == 6)
+        turn2 = Req(rid="t2", input_ids=turn1.input_ids + turn1.output_ids + prompt(41, 6),
+                    cache_salt="t", max_new_tokens=4)
+        fresh = LocalEngine(cfg, storage=client)
+        result = fresh.generate(turn2)
+        assert result.output_ids == reference(fresh, turn2)
+        assert result.cached_tokens["storage"] == stored * PS
+        for e in (engine, fresh):
+            assert e.flush(30)
+            assert_clean(e)
+            e.close()
+    finally:
+        ray.kill(handle)
 
 
 def test_a_dead_shard_falls_back_to_recompute(ray_cluster: Any) -> None:
