@@ -255,9 +255,9 @@ def test_a_prefill_worker_killed_after_its_answer_before_its_kv_resumes_the_stre
     want = expected(model, turn2)
     assert tokens == want and out.output_ids == want     # nothing lost, nothing twice
     assert out.attempts == 2 and out.prefill_worker == victim
+    wait_healthy(holding, "prefill", worker=victim)      # engine_stats asks every worker
     stats = holding.engine_stats()["decode-0"]
     assert stats.get("keep/reserved", 0) > reserved      # the turn's pages were reserved
-    wait_healthy(holding, "prefill", worker=victim)
     assert ray.get(holding.prefill[victim].pid.remote()) != pid
     holding.flush()
     assert_idle(holding)
