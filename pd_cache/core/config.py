@@ -8,6 +8,7 @@ overrides are read in one place, :meth:`PDCacheConfig.from_env`, with the prefix
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from dataclasses import dataclass, field
@@ -108,9 +109,10 @@ class KVLayout:
         """Whether a prefix resumes from a recurrent state as well as from KV (hybrid)."""
         return self.state_layers > 0
 
-    @property
+    @functools.cached_property
     def fingerprint(self) -> str:
-        """Stable hex digest of every field (never Python's salted ``hash()``)."""
+        """Stable hex digest of every field (never Python's salted ``hash()``); computed
+        once per layout (it digests every field; the fields are frozen)."""
         return _digest(b"pd-cache/layout/v2", _set_fields(self, frozenset()))
 
 

@@ -12,7 +12,6 @@ tier, which has no tokens, checks everything else.
 
 from __future__ import annotations
 
-import functools
 import math
 import re
 import warnings
@@ -286,7 +285,7 @@ def header_problem(h: RecordHeader, layout: KVLayout, algo: str, name: bytes,
     """The part of :func:`verify` that needs only the header (cheap; no payload bytes)."""
     if h.version != RECORD_VERSION:
         return f"record version {h.version}, expected {RECORD_VERSION}"
-    if h.fingerprint != fingerprint(layout):
+    if h.fingerprint != layout.fingerprint:
         return f"layout fingerprint {h.fingerprint}, expected {layout.fingerprint}"
     size = DIGEST_SIZES.get(h.algo)
     if h.algo != algo or len(h.prior) != size or len(h.name) != size:
@@ -299,12 +298,6 @@ def header_problem(h: RecordHeader, layout: KVLayout, algo: str, name: bytes,
     if pool is not None and pool not in names:
         return f"pool {pool!r} not in record (has {names})"
     return _layout_problem(h, layout)
-
-
-@functools.lru_cache(maxsize=64)
-def fingerprint(layout: KVLayout) -> str:
-    """``layout.fingerprint``, computed once per layout (it digests every field)."""
-    return layout.fingerprint
 
 
 def tokens_problem(h: RecordHeader, layout: KVLayout, tokens: Any) -> str | None:

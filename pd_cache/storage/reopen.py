@@ -49,12 +49,13 @@ def open_each(inner: Pending[Any], got: Sequence[PoolTransfer], intos: Sequence[
                 if b:
                     discard(t.pool, [t.keys[i] for i in b])
             break
-        again = reject([[i in set(b) for i in range(len(t.keys))] for t, b in zip(got, bad)])
+        again = reject([[i in bs for i in range(len(t.keys))] for t, bs in zip(got, map(set, bad))])
         next_bad = []
         for j, (t, into, b) in enumerate(zip(again, intos, bad)):
             o = open_one(t, into) if b else OpenedPages(t, [], [], None)
+            reread = o.transfer.pages or [None] * len(t.keys)
             for i in b:
-                pages[j][i] = (o.transfer.pages or [None] * len(t.keys))[i]
+                pages[j][i] = reread[i]
             next_bad.append(o.bad)
             refused[j].update(o.refused)
             refusals[j] = refusals[j] or o.refusal

@@ -160,7 +160,7 @@ class BackupWriter:
         """The record of page ``chain.names[i]`` holding ``pools``."""
         ps, link = self.link.page_size, self.link
         return make_record(chain.names[i], chain.prior(i), tokens[i * ps:(i + 1) * ps], pools,
-                           fingerprint=link.fingerprint, algo=link.algo,
+                           fingerprint=link.layout.fingerprint, algo=link.algo,
                            seed=chain.seed, sums=not link.storage.seals)
 
     def flush(self, timeout: float | None = None) -> bool:

@@ -96,7 +96,6 @@ class StorageLink:
         self.metrics = metrics
         self.has_state, self.state_every = layout.has_state, state_every
         self.page_nbytes = layout.page_nbytes
-        self.fingerprint = layout.fingerprint   # NOTE: a digest of every field: once here
         self.held = HeldNames()
 
     def info(self, req: Req, chain: Chain, prefix: list[bytes] | None, *,
