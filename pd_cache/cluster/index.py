@@ -10,21 +10,25 @@ one bit per (publisher, tier)::
 Memory is bounded: publishers only report what their pools and L3 hold, and past
 ``max_entries`` a new name is not indexed (counted ``dropped``): a hint missing, never a
 wrong one. A publisher's new epoch (its process restarted) drops what the old one
-published, at once.
+published, at once. Each front keeps a mirror of every shard (``index_mirror``), fed by
+``changes`` (``index_feed``): what changed since the version it holds, or a snapshot.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+from pd_cache.cluster.index_feed import ChangeLog
 from pd_cache.core.cluster_config import ClusterConfig
 from pd_cache.core.events import (
     STORAGE_TIER,
     EventBatch,
     IndexAnswer,
+    IndexChanges,
     KVEvent,
     PagesStored,
     WorkerHit,
@@ -55,6 +59,9 @@ class PageIndex:
         self._pubs: dict[str, tuple[int, int]] = {}   # publisher -> (epoch, next seq)
         self.lags: collections.deque[float] = collections.deque(maxlen=LAGS)
         self.counts = collections.Counter[str]()
+        # NOTE: a mirror behind by more changed names than an eighth of the bound takes a
+        # snapshot, about the cost of the deltas it missed; the log stays a small share.
+        self.feed = ChangeLog(max(1024, max_entries // 8))
 
     def publish(self, batch: EventBatch) -> bool:
         """Apply ``batch``; ``False``: it does not follow the last one applied (a gap, a
@@ -82,6 +89,19 @@ class PageIndex:
         get = self.masks.get
         return ShardView([get(n, 0) for n in names], list(self.holders))
 
+    def changes(self, epoch: int, since: int) -> IndexChanges:
+        """What changed after version ``since`` of ``epoch`` (a mirror's), else a snapshot."""
+        feed, get = self.feed, self.masks.get
+        names = feed.since(since) if epoch == feed.epoch else None
+        if names is None:
+            self.counts["mirror_snapshot"] += 1
+            return IndexChanges(feed.epoch, feed.version, list(self.holders), list(self.masks),
+                                list(self.masks.values()), True)
+        self.counts["mirror_delta"] += 1
+        touched = list(names)
+        return IndexChanges(feed.epoch, feed.version, list(self.holders), touched,
+                            [get(n, 0) for n in touched])
+
     def entries(self) -> int:
         return len(self.masks)
 
@@ -89,6 +109,7 @@ class PageIndex:
         masks = self.masks
         for event in events:
             bit = 1 << self._bit_of((publisher, event.tier))
+            self.feed.add(event.names)
             if isinstance(event, PagesStored):
                 for name in event.names:
                     old = masks.get(name)
@@ -120,13 +141,15 @@ class PageIndex:
         gone = sum(1 << b for (p, _), b in self._bit.items() if p == publisher)
         if not gone:
             return
-        keep = ~gone
+        keep, changed = ~gone, []
         for name, mask in list(self.masks.items()):
             if mask & gone:
+                changed.append(name)
                 if mask & keep:
                     self.masks[name] = mask & keep
                 else:
                     del self.masks[name]
+        self.feed.add(changed)
 
 
 def locate(names: Sequence[bytes], num_shards: int) -> tuple[list[list[bytes]],
@@ -173,17 +196,39 @@ def _holders(view: ShardView, mask: int) -> list[Holder]:
 
 
 class IndexActor(PageIndex):
-    """The Ray actor of one index shard: ``PageIndex`` and its query counter."""
+    """The Ray actor of one index shard: ``PageIndex``, its query counter, and the mirrors'
+    long poll (an async actor: its methods run one at a time on its event loop)."""
 
     def __init__(self, max_entries: int) -> None:
         from pd_cache.metrics import PDCacheMetrics
 
         super().__init__(max_entries)
         self.metrics = PDCacheMetrics("auto")
+        self._changed: asyncio.Event | None = None   # set at the next version
 
-    def query(self, names: Sequence[bytes]) -> ShardView:
+    async def publish(self, batch: EventBatch) -> bool:  # type: ignore[override]
+        version = self.feed.version
+        accepted = super().publish(batch)
+        if self.feed.version != version and self._changed is not None:
+            self._changed.set()
+            self._changed = None
+        return accepted
+
+    async def query(self, names: Sequence[bytes]) -> ShardView:  # type: ignore[override]
         self.metrics.count_index_queries()
         return super().query(names)
+
+    async def poll(self, epoch: int, since: int, wait_s: float) -> IndexChanges:
+        """``changes``, once there are any after ``since`` or ``wait_s`` passed (a long
+        poll: an idle mirror asks once per ``wait_s``)."""
+        if wait_s > 0 and epoch == self.feed.epoch and since == self.feed.version:
+            if self._changed is None:
+                self._changed = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._changed.wait(), wait_s)
+            except TimeoutError:
+                pass
+        return self.changes(epoch, since)
 
     def stats(self) -> dict[str, Any]:
         return {"entries": len(self.masks), "publishers": sorted(self._pubs),

@@ -33,7 +33,8 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from pd_cache.cluster.index import ShardView, answer, locate
+from pd_cache.cluster.index import ShardView, answer, index_bound, locate
+from pd_cache.cluster.index_mirror import IndexMirror
 from pd_cache.cluster.router import PrefixRouter, Route
 from pd_cache.core.cluster_config import ClusterConfig
 from pd_cache.core.events import IndexAnswer
@@ -139,18 +140,30 @@ async def _empty() -> ShardView:
     return ShardView([], [])
 
 
+def index_mirror(config: ClusterConfig, shards: Sequence[Any]) -> IndexMirror | None:
+    """A front's mirror of the index ``shards``, its feed started (``None``: no index, or
+    ``index_mirror_s`` 0)."""
+    if not shards or not config.index_mirror_s:
+        return None
+    return IndexMirror(shards, index_bound(config), config.index_mirror_s).start()
+
+
 class IndexRouting:
     """The prefill choice of ``PDCluster`` (a mixin: its state lives there)."""
 
     config: ClusterConfig
     prefill_router: PrefixRouter
     index: IndexClient | None
+    mirror: IndexMirror | None
     routed = collections.Counter[str]()   # by "index" / "hints" (replaced per cluster)
 
     async def _ask_index(self, names: Sequence[bytes], *pinned: int | None) -> Asked:
-        """The index's answer for ``names``; not asked when every choice is ``pinned``."""
+        """The index's answer for ``names``: from this front's mirror if in sync, else
+        asked; not asked when every choice is ``pinned``."""
         if self.index is None or not names or all(p is not None for p in pinned):
             return Asked(None)
+        if self.mirror is not None and (found := self.mirror.answer(names)) is not None:
+            return Asked(found)
         return Asked(await self.index.lookup(names))
 
     async def _route_prefill(self, names: Sequence[bytes], failed: Sequence[int] = (),

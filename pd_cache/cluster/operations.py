@@ -27,6 +27,7 @@ class ClusterOperations(ClusterKeys):
     decode: list[Any]
     storage: list[Any]
     index_actors: list[Any]
+    mirror: Any   # this front's IndexMirror, or None
     prefill_router: PrefixRouter
     decode_router: PrefixRouter
 
@@ -178,6 +179,8 @@ class ClusterOperations(ClusterKeys):
         slot) and kill every actor of this cluster."""
         import ray
 
+        if self.mirror is not None:
+            self.mirror.stop()
         closing = [a.close.remote() for a in self.prefill + self.decode] if check else []
         try:
             ray.get(closing)

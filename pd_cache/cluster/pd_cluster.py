@@ -42,7 +42,7 @@ import msgspec
 from pd_cache.cluster.calls import Streamed, abandon, first_item, handoff_refs, unwrap
 from pd_cache.cluster.decode_route import NOTHING, DecodeRouting, Reserved, decode_balance
 from pd_cache.cluster.health import Liveness, WorkerDied, ping_all, worker_died
-from pd_cache.cluster.index_route import Asked, IndexClient, IndexRouting
+from pd_cache.cluster.index_route import Asked, IndexClient, IndexRouting, index_mirror
 from pd_cache.cluster.operations import ClusterOperations
 from pd_cache.cluster.router import PrefixRouter
 from pd_cache.cluster.turns import Turns
@@ -62,6 +62,7 @@ class PDCluster(IndexRouting, DecodeRouting, ClusterOperations):
         self.prefill, self.decode, self.storage = list(prefill), list(decode), list(storage)
         self.index_actors, self.routed = list(index), collections.Counter[str]()
         self.index = IndexClient(index, config.index_timeout_s) if index else None
+        self.mirror = index_mirror(config, index)
         self._owners: dict[str, bytes] = {}
         capacity = self.pd.cache.device_pages + self.pd.cache.host_pages
         self.prefill_router = PrefixRouter(len(self.prefill), capacity, config.balance_threshold)

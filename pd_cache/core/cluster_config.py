@@ -116,6 +116,9 @@ class ClusterConfig:
                                  "each front routes by its own hints")
     index_timeout_s: float = _knob(0.1, "longest wait for the page index before routing by "
                                         "local hints (s)")
+    index_mirror_s: float = _knob(2.0, "each front routes from its own copy of the page "
+                                       "index, if every shard answered its feed within this "
+                                       "long (s); else it asks the index. 0: always ask")
     route_compute_ms: float = _knob(2.0, "routing cost of a prompt page recomputed (ms)")
     route_host_ms: float = _knob(0.05, "routing cost of a page loaded from L2 (host) (ms)")
     route_l3_ms: float = _knob(0.3, "routing cost of a page loaded from L3 (ms)")
@@ -140,6 +143,7 @@ class ClusterConfig:
         check_non_negative("prefill_hold_s", self.prefill_hold_s)
         check_positive("storage_timeout_s", self.storage_timeout_s)
         check_positive("index_timeout_s", self.index_timeout_s)
+        check_non_negative("index_mirror_s", self.index_mirror_s)
         for name in ("route_compute_ms", "route_host_ms", "route_l3_ms", "route_queue_ms"):
             check_non_negative(name, getattr(self, name))
         self.pd_config  # noqa: B018  (builds and so validates the worker config)

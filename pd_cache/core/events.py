@@ -75,6 +75,20 @@ class IndexAnswer(msgspec.Struct, frozen=True, gc=False):
     l3_pages: int
 
 
+class IndexChanges(msgspec.Struct, frozen=True, gc=False):
+    """What an index shard's entries are now, for a front's mirror of it: the entries of
+    ``names`` changed since the version the mirror asked from (``snapshot``: every entry,
+    replacing its copy), each name's holder mask (0: gone), and the holders' bits, under
+    the shard's ``epoch`` (a restarted shard has a new one) at ``version``."""
+
+    epoch: int
+    version: int
+    holders: list[tuple[str, str]]
+    names: list[bytes]
+    masks: list[int]
+    snapshot: bool = False
+
+
 def shard_of(name: bytes, num_shards: int) -> int:
     """The index shard that keeps ``name`` (names are uniform hashes: their last bytes do)."""
     return int.from_bytes(name[-4:], "little") % num_shards if num_shards > 1 else 0

@@ -1,6 +1,7 @@
 """The cluster page index on a real PD cluster: KV events from every worker and L3 shard,
 routing from it shared by two fronts (prefill, and decode to the worker keeping a prefix),
-and its faults (the index killed under load, a worker restarted).
+and its faults (the index killed under load, a worker restarted); a front routing from its
+own mirror of the index, with no query, through the index's kill.
 
 Central checks: every answer is the no-cache model's, no request fails, and every slot and
 lock is back with the cache once a scenario ends.
@@ -14,6 +15,7 @@ import random
 import signal
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -28,7 +30,8 @@ ray = pytest.importorskip("ray")
 PS = 4
 CONFIG = ClusterConfig(num_prefill=2, num_decode=2, num_storage=1, model="tiny", page_size=PS,
                        device_pages=64, host_pages=128, storage_timeout_s=5.0,
-                       index_shards=1, index_timeout_s=0.5)
+                       index_shards=1, index_timeout_s=0.5, index_mirror_s=0)   # asks it
+MIRRORED = replace(CONFIG, index_mirror_s=2.0)
 VOCAB = CONFIG.pd_config.model.vocab_size
 
 
@@ -143,3 +146,56 @@ def test_a_front_with_no_hints_decodes_where_the_index_says_the_prefix_is_kept(
     assert done.output_ids == expected(model, turn) and second.routed["index"] == 1
     cluster.flush()
     assert_idle(cluster)
+
+
+def test_a_front_routes_from_its_mirror_with_no_query_and_resyncs_after_the_index_is_killed(
+        cluster: PDCluster) -> None:
+    model = Model(CONFIG.pd_config.model)
+    front = PDCluster(MIRRORED, cluster.prefill, cluster.decode, cluster.storage,
+                      cluster.index_actors)
+    assert front.mirror is not None
+    try:
+        mirrored_front(cluster, front, model)
+    finally:
+        front.mirror.stop()   # its thread stops before Ray does
+    cluster.flush()
+    assert_idle(cluster)
+
+
+def mirrored_front(cluster: PDCluster, front: PDCluster, model: Model) -> None:
+    assert front.mirror is not None
+    first, follow = prompt_reqs(8, 2)
+    assert cluster.generate(first, prefill_worker=1).output_ids == expected(model, first)
+    cluster.flush()
+    names = front.router_names(first)
+    until(lambda: (a := front.mirror.answer(names)) and a.workers.get("prefill-1"),
+          "the mirror learns the prompt")
+    shard = cluster.index_actors[0]
+    queries = ray.get(shard.stats.remote()).get("query", 0)
+    out = front.generate(follow)                     # no hints of its own: the mirror's
+    assert out.prefill_worker == 1 and out.cached_tokens["device"] >= 32
+    assert out.output_ids == expected(model, follow)
+    assert ray.get(shard.stats.remote()).get("query", 0) == queries   # no query on its path
+    assert front.routed["index"] == 1 and front.mirror.stats()["answered"] == 1
+    # kill -9 the index under load: the mirror, then the index, then the hints; 0 fail
+    epoch, pid = front.mirror.copies[0].epoch, ray.get(shard.pid.remote())
+    reqs = prompt_reqs(9, 6) + prompt_reqs(10, 10)
+
+    async def run() -> list[Any]:
+        early = [asyncio.ensure_future(front.generate_async(r)) for r in reqs[:6]]
+        await asyncio.sleep(0)
+        os.kill(pid, signal.SIGKILL)
+        late = [asyncio.ensure_future(front.generate_async(r)) for r in reqs[6:]]
+        return await asyncio.wait_for(asyncio.gather(*early, *late), 120)
+
+    outs = asyncio.run(run())
+    assert [o.output_ids for o in outs] == [expected(model, r) for r in reqs]
+    # the mirror resyncs: the new process's epoch, its entries rebuilt from snapshots
+    until(lambda: (a := front.mirror.answer(names)) and a.workers.get("prefill-1")
+          and front.mirror.copies[0].epoch != epoch, "the mirror resynced", 30)
+    stats = front.mirror.stats()
+    assert stats["failed"] >= 1 and stats["snapshot"] >= 2, stats
+    queries = ray.get(shard.stats.remote()).get("query", 0)
+    again = front.generate(prompt_reqs(8, 3)[2])
+    assert again.prefill_worker == 1 and again.output_ids == expected(model, prompt_reqs(8, 3)[2])
+    assert ray.get(shard.stats.remote()).get("query", 0) == queries
