@@ -171,12 +171,13 @@ def mirrored_front(cluster: PDCluster, front: PDCluster, model: Model) -> None:
     until(lambda: (a := front.mirror.answer(names)) and a.workers.get("prefill-1"),
           "the mirror learns the prompt")
     shard = cluster.index_actors[0]
-    queries = ray.get(shard.stats.remote()).get("query", 0)
+    queries, answered = ray.get(shard.stats.remote()).get("query", 0), front.mirror.counts[
+        "answered"]
     out = front.generate(follow)                     # no hints of its own: the mirror's
     assert out.prefill_worker == 1 and out.cached_tokens["device"] >= 32
     assert out.output_ids == expected(model, follow)
     assert ray.get(shard.stats.remote()).get("query", 0) == queries   # no query on its path
-    assert front.routed["index"] == 1 and front.mirror.stats()["answered"] == 1
+    assert front.routed["index"] == 1 and front.mirror.counts["answered"] == answered + 1
     # kill -9 the index under load: the mirror, then the index, then the hints; 0 fail
     epoch, pid = front.mirror.copies[0].epoch, ray.get(shard.pid.remote())
     reqs = prompt_reqs(9, 6) + prompt_reqs(10, 10)
