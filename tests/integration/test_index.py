@@ -71,6 +71,19 @@ def lookup(front: PDCluster, req: Req) -> IndexAnswer | None:
     return asyncio.run(front.index.lookup(front.router_names(req)))
 
 
+def killed_under_load(front: PDCluster, reqs: list[Req], early: int, pid: int) -> list[Any]:
+    """``reqs`` through ``front``, all at once; ``pid`` (the index) kill -9'd once the first
+    ``early`` are under way. Their completions."""
+    async def run() -> list[Any]:
+        first = [asyncio.ensure_future(front.generate_async(r)) for r in reqs[:early]]
+        await asyncio.sleep(0)
+        os.kill(pid, signal.SIGKILL)
+        late = [asyncio.ensure_future(front.generate_async(r)) for r in reqs[early:]]
+        return await asyncio.wait_for(asyncio.gather(*first, *late), 120)
+
+    return asyncio.run(run())
+
+
 def test_index_routes_two_fronts_alike_survives_its_kill_and_drops_a_restarted_worker(
         cluster: PDCluster) -> None:
     model = Model(CONFIG.pd_config.model)
@@ -95,16 +108,8 @@ def test_index_routes_two_fronts_alike_survives_its_kill_and_drops_a_restarted_w
     victim = cluster.index_actors[0]
     pid = ray.get(victim.pid.remote())
     reqs = prompt_reqs(2, 8) + prompt_reqs(3, 16)
-
-    async def run() -> list[Any]:
-        early = [asyncio.ensure_future(cluster.generate_async(r)) for r in reqs[:8]]
-        await asyncio.sleep(0)
-        os.kill(pid, signal.SIGKILL)
-        late = [asyncio.ensure_future(cluster.generate_async(r)) for r in reqs[8:]]
-        return await asyncio.wait_for(asyncio.gather(*early, *late), 120)
-
     hints = cluster.routed["hints"]
-    outs = asyncio.run(run())
+    outs = killed_under_load(cluster, reqs, 8, pid)
     assert [o.output_ids for o in outs] == [expected(model, r) for r in reqs]
     assert cluster.routed["hints"] > hints                          # fell back meanwhile
     until(lambda: answered(victim.pid) not in (None, pid), "a new index process")
@@ -181,15 +186,7 @@ def mirrored_front(cluster: PDCluster, front: PDCluster, model: Model) -> None:
     # kill -9 the index under load: the mirror, then the index, then the hints; 0 fail
     epoch, pid = front.mirror.copies[0].epoch, ray.get(shard.pid.remote())
     reqs = prompt_reqs(9, 6) + prompt_reqs(10, 10)
-
-    async def run() -> list[Any]:
-        early = [asyncio.ensure_future(front.generate_async(r)) for r in reqs[:6]]
-        await asyncio.sleep(0)
-        os.kill(pid, signal.SIGKILL)
-        late = [asyncio.ensure_future(front.generate_async(r)) for r in reqs[6:]]
-        return await asyncio.wait_for(asyncio.gather(*early, *late), 120)
-
-    outs = asyncio.run(run())
+    outs = killed_under_load(front, reqs, 6, pid)
     assert [o.output_ids for o in outs] == [expected(model, r) for r in reqs]
     # the mirror resyncs: the new process's epoch, its entries rebuilt from snapshots
     until(lambda: (a := front.mirror.answer(names)) and a.workers.get("prefill-1")
