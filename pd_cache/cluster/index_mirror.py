@@ -9,7 +9,7 @@ for what changed since the version it holds::
                                           <-      the names changed since, their masks now;
                                                   a snapshot for another epoch or a mirror
                                                   behind what its log keeps (index_feed)
-    apply; wait POLL_GAP_S; poll again            (at most ~20 polls/s per shard and front)
+    apply; wait POLL_GAP_S; poll again            (at most ~2 polls/s per shard and front)
     the call failed (the shard died):     ->      out of sync; poll again after RETRY_S
 
 ``IndexMirror.answer`` is the index's answer computed from the copies, or ``None`` while a
@@ -39,7 +39,10 @@ from pd_cache.core.events import IndexAnswer, IndexChanges
 log = logging.getLogger(__name__)
 
 WAIT_S = 1.0        # a shard's long poll returns at least this often
-POLL_GAP_S = 0.05   # between one answer and the next poll (the publishers' flush period)
+# NOTE: between one answer and the next poll. At 50 ms (the publishers' flush period) a
+# busy front polled ~20 times a second, and on 2 shared cores those wake-ups cost every
+# hop of a request more than the query they replace (docs/peers.md, "The mirror").
+POLL_GAP_S = 0.5
 RETRY_S = 0.2       # after a failed poll
 
 
