@@ -99,7 +99,9 @@ METRICS: tuple[MetricSpec, ...] = (
        "Prompt tokens found in a cache tier instead of computed (vLLM's "
        "prefix_cache_hits, by tier)."),
     _c("pd_cache_index_queries_total", (),
-       "Queries the cluster page index answered (one per index shard a routing asks)."),
+       "Queries the cluster page index answered (one per index shard a routing asks; a "
+       "front routing from its in-sync mirror of the index, index_mirror_s, asks none: "
+       "the mirror's long polls are not counted)."),
     _c("pd_cache_storage_misses_total", ("reason",),
        "L3 pages that could not be used, by reason."),
     _c("pd_cache_storage_events_total", ("backend", "event"),
