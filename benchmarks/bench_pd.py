@@ -103,7 +103,7 @@ def measure(cfg: ClusterConfig, stream: Workload, lockstep: bool) -> dict:
         pids = actor_pids(cluster)
         cpu_before, driver_before = cpu_seconds(pids), _own_cpu()
         threads_before = {r: thread_cpu(pids[r]) for r in ("prefill", "storage")}
-        calls_before = cluster.l3_calls()
+        calls_before, grants_before = cluster.l3_calls(), grant_calls(cluster)
         target = LocalTarget(cluster, stream=False)
         start = time.perf_counter()
         run = asyncio.run(run_open_loop(target, stream.requests, [0.0] * len(stream.requests),
@@ -115,6 +115,7 @@ def measure(cfg: ClusterConfig, stream: Workload, lockstep: bool) -> dict:
         threads = {r: thread_cpu_delta(b, thread_cpu(pids[r])) for r, b in threads_before.items()}
         writes = {**cluster.l3_writes(), **page_kinds(cluster.engine_stats())}
         calls = {op: n - calls_before[op] for op, n in cluster.l3_calls().items()}
+        calls["arena_grant"] = grant_calls(cluster) - grants_before   # not an L3 op: apart
     finally:
         cluster.shutdown()
     failed = [r.error for r in run.records if not r.ok]
@@ -132,7 +133,8 @@ def measure(cfg: ClusterConfig, stream: Workload, lockstep: bool) -> dict:
         "cached_tokens": t["cached_tokens"], "cached_tokens_total": cached,
         "prompt_tokens": t["prompt_tokens"], "cached_fraction": cached / t["prompt_tokens"],
         "pages_handed_off": t["pages_handed_off"], "l3_writes": writes,
-        "storage_calls": calls, "storage_calls_per_request": sum(calls.values()) / len(done),
+        "storage_calls": calls, "storage_calls_per_request":
+            sum(n for op, n in calls.items() if op != "arena_grant") / len(done),
         # NOTE: no page index yet: prefill asks none (pd_cache_index_queries_total).
         "index_queries_per_request": 0.0,
         "cross_namespace_tokens": t["cross_namespace_tokens"],
@@ -142,6 +144,14 @@ def measure(cfg: ClusterConfig, stream: Workload, lockstep: bool) -> dict:
         "prefill_s": {c.rid: c.prefill_s for c in done},
         "outputs": {c.rid: c.output_ids for c in done},
     }
+
+
+def grant_calls(cluster: PDCluster) -> int:
+    """``arena_grant`` calls the shards answered so far (a set's slots, unless leased)."""
+    import ray
+
+    return sum(u.get("grant_calls", 0) for u in ray.get(
+        [s.arena_usage.remote() for s in cluster.storage]))
 
 
 def handoff(cfg: ClusterConfig, done: list) -> dict:
