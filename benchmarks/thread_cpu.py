@@ -1,10 +1,11 @@
 """CPU seconds by thread of a set of processes (Linux ``/proc``), grouped by thread name.
 
 A benchmark reads the clocks of a role's processes before and after a run; the difference
-says where each process's CPU went: the actor's own thread (``ray::PrefillActor...``), the
-L3 writer (``pd-cache-backup``), Ray's core-worker and gRPC threads, torch's. Thread names
-are the kernel's (15 characters at most), trailing digits and dashes dropped so that a
-pool's threads add up under one name::
+says where each process's CPU went: the actor's main thread (``ray::PrefillAct main``), its
+other Python threads (the L3 writer's among them: Python does not name them to the kernel,
+so they keep the process's name, ``ray::PrefillAct``), Ray's core-worker and gRPC threads
+(``worker.io``, ...). Thread names are the kernel's (15 characters at most), trailing digits
+and dashes dropped so that a pool's threads add up under one name::
 
     before = thread_cpu(pids)
     ...
@@ -37,8 +38,8 @@ def thread_cpu(pids: Iterable[int]) -> dict[tuple[int, int], tuple[str, float]]:
                 continue
             name = stat[stat.index("(") + 1:stat.rindex(")")]
             fields = stat.rsplit(")", 1)[1].split()
-            out[(pid, int(task.name))] = (thread_group(name),
-                                          (int(fields[11]) + int(fields[12])) / tick)
+            group = thread_group(name) + (" main" if int(task.name) == pid else "")
+            out[(pid, int(task.name))] = (group, (int(fields[11]) + int(fields[12])) / tick)
     return out
 
 
@@ -50,7 +51,7 @@ def thread_group(name: str) -> str:
 def thread_cpu_delta(before: Mapping[tuple[int, int], tuple[str, float]],
                      after: Mapping[tuple[int, int], tuple[str, float]]) -> dict[str, float]:
     """CPU seconds each thread group used between two readings (threads born in between
-    count from zero), largest first."""
+    count from zero; a thread gone by ``after`` is not counted), largest first."""
     spent: dict[str, float] = {}
     for key, (name, t) in after.items():
         used = t - before.get(key, (name, 0.0))[1]
