@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 from results_io import write_result  # this folder: the tail every benchmark shares
+from thread_cpu import thread_cpu, thread_cpu_delta  # this folder
 
 from pd_cache import ClusterConfig, PDCluster, Req
 from pd_cache.app.bench.runner import run_open_loop
@@ -101,7 +102,8 @@ def measure(cfg: ClusterConfig, stream: Workload, lockstep: bool) -> dict:
         warm_up(cluster)
         pids = actor_pids(cluster)
         cpu_before, driver_before = cpu_seconds(pids), _own_cpu()
-        calls_before = cluster.l3_calls()
+        threads_before = {r: thread_cpu(pids[r]) for r in ("prefill", "storage")}
+        calls_before, grants_before = cluster.l3_calls(), grant_calls(cluster)
         target = LocalTarget(cluster, stream=False)
         start = time.perf_counter()
         run = asyncio.run(run_open_loop(target, stream.requests, [0.0] * len(stream.requests),
@@ -110,8 +112,10 @@ def measure(cfg: ClusterConfig, stream: Workload, lockstep: bool) -> dict:
         cluster.flush()
         cpu = {role: t - cpu_before[role] for role, t in cpu_seconds(pids).items()}
         cpu["driver"] = _own_cpu() - driver_before
+        threads = {r: thread_cpu_delta(b, thread_cpu(pids[r])) for r, b in threads_before.items()}
         writes = {**cluster.l3_writes(), **page_kinds(cluster.engine_stats())}
         calls = {op: n - calls_before[op] for op, n in cluster.l3_calls().items()}
+        calls["arena_grant"] = grant_calls(cluster) - grants_before   # not an L3 op: apart
     finally:
         cluster.shutdown()
     failed = [r.error for r in run.records if not r.ok]
@@ -129,16 +133,25 @@ def measure(cfg: ClusterConfig, stream: Workload, lockstep: bool) -> dict:
         "cached_tokens": t["cached_tokens"], "cached_tokens_total": cached,
         "prompt_tokens": t["prompt_tokens"], "cached_fraction": cached / t["prompt_tokens"],
         "pages_handed_off": t["pages_handed_off"], "l3_writes": writes,
-        "storage_calls": calls, "storage_calls_per_request": sum(calls.values()) / len(done),
+        "storage_calls": calls, "storage_calls_per_request":
+            sum(n for op, n in calls.items() if op != "arena_grant") / len(done),
         # NOTE: no page index yet: prefill asks none (pd_cache_index_queries_total).
         "index_queries_per_request": 0.0,
         "cross_namespace_tokens": t["cross_namespace_tokens"],
-        "phases_p50_s": phases(done), "cpu_seconds": cpu,
+        "phases_p50_s": phases(done), "cpu_seconds": cpu, "thread_cpu_seconds": threads,
         "prompts": {c.rid: (c.num_prompt_tokens, sum(c.cached_tokens.values()))
                     for c in done},
         "prefill_s": {c.rid: c.prefill_s for c in done},
         "outputs": {c.rid: c.output_ids for c in done},
     }
+
+
+def grant_calls(cluster: PDCluster) -> int:
+    """``arena_grant`` calls the shards answered so far (a set's slots, unless leased)."""
+    import ray
+
+    return sum(u.get("grant_calls", 0) for u in ray.get(
+        [s.arena_usage.remote() for s in cluster.storage]))
 
 
 def handoff(cfg: ClusterConfig, done: list) -> dict:
@@ -310,6 +323,9 @@ def main() -> None:
     for mode in ("on", "off"):
         print(f"cache {mode:>3}: CPU s by role " + ", ".join(
             f"{k} {v:.1f}" for k, v in results[mode]["cpu_seconds"].items()))
+        for role, spent in results[mode]["thread_cpu_seconds"].items():
+            print(f"          {role} threads: " + ", ".join(
+                f"{k} {v:.2f}" for k, v in list(spent.items())[:8]))
     print(f"saved prefill CPU {saved_cpu:.2f} s ({share:.0%} of prefill) of {off_cpu:.2f} s "
           f"(off run at {saved['off_utilization']:.0%} of {lanes} cores): bound "
           f"{bound_s:.2f} s vs off {off['seconds']:.2f} s, on {on['seconds']:.2f} s "

@@ -11,6 +11,10 @@ call (Linux ``/proc``), medians over ``--repeats`` rounds of ``--calls`` calls:
   exists   ``StorageClient.batch_exists`` of pages the tier holds
   get      ``StorageClient.batch_get`` of them (lent blocks, verified here)
   set      ``StorageClient.batch_set`` of fresh pages (the write-through's call)
+  sealed   a worker's write-through set: fresh pages sealed into arena slots from an
+           ``arena_grant`` call made for each set (``ArenaWriter(lease_ahead=0)``)
+  leased   the same, its slots from a lease of 64 taken with an earlier grant call (a
+           call every 64 / ``--pages`` + 1 sets: the workers' default)
 
 Writes benchmarks/results/tier_calls.json (``*_vs_ping`` = CPU of both processes over a
 ping's).
@@ -33,11 +37,16 @@ from results_io import write_result  # this folder: the tail every benchmark sha
 
 from pd_cache.app.session import cluster_token
 from pd_cache.core.config import CacheConfig, ModelConfig, PDCacheConfig, StorageConfig
+from pd_cache.core.sealing import Keyring
 from pd_cache.storage import PageRecord
+from pd_cache.storage.arena_writer import ArenaWriter
+from pd_cache.storage.base import ExtraInfo
 from pd_cache.storage.client import StorageClient
+from pd_cache.storage.seal import SealedStorage, Sealer
 from pd_cache.storage.tier import storage_actors
 
 RESULTS = Path(__file__).parent / "results" / "tier_calls.json"
+KINDS = ("ping", "exists", "get", "set", "sealed", "leased")
 SEED = 1234
 
 
@@ -76,8 +85,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         stored = records(cfg, args.pages, "stored")
         names = [r.name for r in stored]
         assert all(client.batch_set(names, stored))
-        rounds: dict[str, list[dict[str, float]]] = {k: [] for k in ("ping", "exists", "get",
-                                                                     "set")}
+        rounds: dict[str, list[dict[str, float]]] = {k: [] for k in KINDS}
+        sealer, tenant = Sealer(Keyring.random()), ExtraInfo(tenant="bench")
+        sealing = StorageClient([handle], timeout_s=60, layout=cfg.layout)
+        writers = {kind: SealedStorage(sealing, sealer, scratch_bytes=1 << 20,
+                                       arena=ArenaWriter(sealing, lease_ahead=ahead))
+                   for kind, ahead in (("sealed", 0), ("leased", 64))}
         for rep in range(args.repeats + 1):   # the first round warms up and is dropped
             fresh = [records(cfg, args.pages, f"fresh-{rep}-{i}") for i in range(args.calls)]
             run_ = {
@@ -87,6 +100,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "set": per_call(lambda i, batches=fresh: client.batch_set(
                     [r.name for r in batches[i]], batches[i]), args.calls, pid),
             }
+            for kind, store in writers.items():
+                batches = [records(cfg, args.pages, f"{kind}-{rep}-{i}")
+                           for i in range(args.calls)]
+                run_[kind] = per_call(lambda i, b=batches, w=store: w.batch_set(
+                    [r.name for r in b[i]], b[i], tenant), args.calls, pid)
             if rep:
                 for kind, figures in run_.items():
                     rounds[kind].append(figures)
@@ -98,8 +116,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for kind, runs in rounds.items():
         out[kind] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         out[kind]["cpu_ms"] = out[kind]["tier_cpu_ms"] + out[kind]["caller_cpu_ms"]
-    for kind in ("exists", "get", "set"):
+    for kind in KINDS[1:]:
         out[f"{kind}_vs_ping"] = out[kind]["cpu_ms"] / out["ping"]["cpu_ms"]
+    out["leased_vs_sealed"] = out["leased"]["cpu_ms"] / out["sealed"]["cpu_ms"]
     return out
 
 
@@ -118,11 +137,12 @@ def main() -> None:
             out = run(args)
         finally:
             ray.shutdown()
-    for kind in ("ping", "exists", "get", "set"):
+    for kind in KINDS:
         f = out[kind]
         ratio = f" ({out[f'{kind}_vs_ping']:.1f}x a ping)" if kind != "ping" else ""
         print(f"{kind:>6}: {f['wall_ms']:.2f} ms wall, CPU {f['tier_cpu_ms']:.2f} ms in the "
               f"tier + {f['caller_cpu_ms']:.2f} ms here = {f['cpu_ms']:.2f} ms{ratio}")
+    print(f"leased / sealed set CPU: {out['leased_vs_sealed']:.2f}x")
     write_result(RESULTS, out)
 
 

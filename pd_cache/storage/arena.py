@@ -210,10 +210,12 @@ class SlotTable:
 
 class Grant(msgspec.Struct, frozen=True, gc=False):
     """A shard's answer to ``arena_grant``: its arena (``None``: none to share with this
-    caller) and per size asked, a ``(slot, generation)`` or ``None`` (no room, too big)."""
+    caller) and per size asked, a ``(slot, generation)`` or ``None`` (no room, too big);
+    ``spare``: slots granted ahead of need (a lease the writer uses for its next sets)."""
 
     arena: ArenaInfo | None
     slots: list[tuple[int, int] | None]
+    spare: list[tuple[int, int]] = []
 
 
 # -- this process's mappings, by arena id ---------------------------------------------------
@@ -233,9 +235,10 @@ def attached(info: ArenaInfo) -> Arena | None:
     shard is dead (its records are no longer the store's: never served)."""
     with _LOCK:
         arena = _OPEN.get(info.id)
-    if arena is not None and (arena._fd is not None or _alive(info.pid)):
+    if arena is not None and (arena._fd is not None or process_alive(info.pid)):
         return arena
-    for stale in [a for a in list(_OPEN.values()) if a._fd is None and not _alive(a.info.pid)]:
+    for stale in [a for a in list(_OPEN.values())
+                  if a._fd is None and not process_alive(a.info.pid)]:
         stale.close()
     try:
         return _remember(Arena.attach(info))
@@ -255,7 +258,8 @@ def forget(ids: Sequence[bytes]) -> None:
         arena.close()
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this machine is running (a shard's, to trust its slots)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -52,13 +52,15 @@ class ArenaBackend(SharedMemoryBackend):
         except OSError as e:   # NOTE: no memfd here: every record takes the object store
             log.warning("L3 shard without an arena: %s", e)
         self.table = SlotTable(slots)
+        self._grants = 0   # arena_grant calls answered
         self._held: dict[Slot, Where] = {}
 
     # -- writes ---------------------------------------------------------------------------
-    def arena_grant(self, sizes: Sequence[int], node: str) -> Grant:
+    def arena_grant(self, sizes: Sequence[int], node: str, spare: int = 0) -> Grant:
         """A slot for each record of ``sizes`` bytes that fits one, while there are free
-        ones (evicting arena records, tails first, to make room). No arena for a caller
-        on another Ray node (``node``: its ``arena.this_node()``)."""
+        ones (evicting arena records, tails first, to make room), and up to ``spare`` more
+        of the free ones (never evicting for them: a lease for the caller's next sets). No
+        arena for a caller on another Ray node (``node``: its ``arena.this_node()``)."""
         if self.arena is None or node != self.arena.info.node:
             return Grant(None, [None] * len(sizes))
         fits = [i for i, n in enumerate(sizes) if 0 < n <= self.arena.info.slot_bytes]
@@ -67,13 +69,16 @@ class ArenaBackend(SharedMemoryBackend):
             while self.table.free < len(fits) and \
                     (victim := self._policy.victim()) is not None and victim in self._held:
                 self._evict(victim)
-            granted = self.table.grant(len(fits), time.monotonic())
-            for slot, _ in granted:
+            now = time.monotonic()
+            granted = self.table.grant(len(fits), now)
+            ahead = self.table.grant(min(max(0, spare), self.table.free), now)
+            for slot, _ in granted + ahead:
                 self.arena.set_word(slot, 0)
+            self._grants += 1
         out: list[tuple[int, int] | None] = [None] * len(sizes)
         for i, got in zip(fits, granted):
             out[i] = got
-        return Grant(self.arena.info, out)
+        return Grant(self.arena.info, out, ahead)
 
     def batch_set_v2(self, transfers: Sequence[PoolTransfer],
                      extra_info: ExtraInfo | None = None) -> list[list[bool]]:
@@ -176,11 +181,13 @@ class ArenaBackend(SharedMemoryBackend):
         return ArenaRecord(header, (), self._held[slot]) if near else self._read(slot)
 
     def arena_usage(self) -> dict[str, Any]:
-        """The arena's slots by state, and its id (``None``: no arena)."""
+        """The arena's slots by state, its id (``None``: no arena) and the ``arena_grant``
+        calls it answered."""
         with self._lock:
             t = self.table
             return {"id": None if self.arena is None else self.arena.info.id,
-                    "free": t.free, "granted": len(t.granted), "live": len(t.live)}
+                    "free": t.free, "granted": len(t.granted), "live": len(t.live),
+                    "grant_calls": self._grants}
 
 
 def _without_lost(transfers: Sequence[PoolTransfer]) -> tuple[list[PoolTransfer], int]:

@@ -90,11 +90,12 @@ class StorageTier:
         return [SharedPages(t.pool, list(t.pages or []), layout=self.backend.layout)
                 for t in self.backend.batch_get_v2(transfers, extra_info)]
 
-    def arena_grant(self, sizes: Sequence[int], node: str) -> Grant:
-        """Arena slots for records of ``sizes`` bytes (``ArenaBackend.arena_grant``)."""
+    def arena_grant(self, sizes: Sequence[int], node: str, spare: int = 0) -> Grant:
+        """Arena slots for records of ``sizes`` bytes, and up to ``spare`` ahead of need
+        (``ArenaBackend.arena_grant``)."""
         if not isinstance(self.backend, ArenaBackend):
             return Grant(None, [None] * len(sizes))
-        return self.backend.arena_grant(sizes, node)
+        return self.backend.arena_grant(sizes, node, spare)
 
     def arena_usage(self) -> dict[str, Any]:
         """The arena's slots by state (``{}``: the backend has none)."""

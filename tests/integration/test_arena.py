@@ -1,7 +1,8 @@
 """A memory shard's arena on the session's Ray cluster: the test process (a Ray driver on
 the shard's machine) writes through it as a worker does and reads back through it, bit
-for bit; slots freed by eviction are reused; a shard killed with SIGKILL is a clear miss,
-its arena's mapping is dropped and writes go to the restarted shard's new arena."""
+for bit; a set takes its slots from the lease an earlier grant call gave (no call);
+slots freed by eviction are reused; a shard killed with SIGKILL is a clear miss, its
+arena's mapping is dropped and writes go to the restarted shard's new arena."""
 
 from __future__ import annotations
 
@@ -70,15 +71,18 @@ def test_sealed_pages_go_through_the_arena_and_a_killed_shard_is_a_clean_miss(
         first = Chain(config.layout, PAGES, seed=1)
         assert store.batch_set(first.names, first.records, TENANT) == [True] * PAGES
         usage = ray.get(handle.arena_usage.remote())
-        assert usage["live"] == PAGES and usage["granted"] == 0    # adopted, not copied
+        # adopted, not copied; the grant call leased the other free slots ahead
+        assert (usage["live"], usage["granted"], usage["grant_calls"]) == (PAGES, PAGES, 1)
         assert usage["id"] in {info.id for info in mapped()}
         assert read_into(store, first) == [True] * PAGES
-        # two more chains: the first one is evicted and its slots are taken again
+        # two more chains: the second takes the lease (no call); the third calls, and the
+        # first one is evicted and its slots are taken again
         for seed in (2, 3):
             chain = Chain(config.layout, PAGES, seed=seed)
             assert store.batch_set(chain.names, chain.records, TENANT) == [True] * PAGES
         usage = ray.get(handle.arena_usage.remote())
         assert (usage["live"], usage["free"], usage["granted"]) == (2 * PAGES, 0, 0)
+        assert usage["grant_calls"] == 2
         assert read_into(store, chain) == [True] * PAGES
         assert store.batch_get(first.names, TENANT) == [None] * PAGES
 
@@ -91,6 +95,7 @@ def test_sealed_pages_go_through_the_arena_and_a_killed_shard_is_a_clean_miss(
         assert store.batch_set(again.names, again.records, TENANT) == [True] * PAGES
         fresh = ray.get(handle.arena_usage.remote())
         assert fresh["live"] == PAGES and fresh["id"] != usage["id"]
+        assert (fresh["granted"], fresh["grant_calls"]) == (PAGES, 1)   # a new lease
         assert {info.id for info in mapped()} & {usage["id"], fresh["id"]} == {fresh["id"]}
         assert read_into(store, again) == [True] * PAGES
     finally:

@@ -1,0 +1,63 @@
+"""Arena slots leased ahead of need: a grant call gives spare slots from the free ones only;
+a writer takes a set's slots from its lease when it holds one for every page (no call),
+all or none, never past half the shard's lease, and never from a shard that died."""
+
+from __future__ import annotations
+
+import subprocess
+import types
+
+import msgspec
+
+from pd_cache.storage.arena import LEASE_S, Arena, this_node
+from pd_cache.storage.arena_backend import ArenaBackend, slot_bytes
+from pd_cache.storage.arena_writer import ArenaWriter, Leases, Slotted
+from tests.unit.storage.records import layout_for
+
+
+def test_a_lease_hands_out_all_or_none_and_drops_what_ran_out() -> None:
+    leases = Leases()
+    leases.add([(1, 11), (2, 12), (3, 13)], asked_at=100.0)
+    assert leases.take(4, now=101.0) is None and len(leases) == 3   # too few: none taken
+    assert leases.take(2, now=101.0) == [(1, 11), (2, 12)]            # first granted first
+    assert leases.take(0, now=101.0) == []
+    assert leases.take(1, now=100.0 + LEASE_S / 2) is None           # half the lease: gone
+    assert len(leases) == 0
+
+
+def test_a_grant_leases_spare_slots_from_the_free_ones_only() -> None:
+    layout = layout_for()
+    backend = ArenaBackend(layout, 4 * slot_bytes(layout))
+    size = slot_bytes(layout)
+    grant = backend.arena_grant([size, size], this_node(), spare=5)
+    assert all(grant.slots) and len(grant.spare) == 2                 # the 2 free ones
+    assert not {s for s, _ in grant.spare} & {s for s, _ in grant.slots}
+    usage = backend.arena_usage()
+    assert (usage["granted"], usage["free"], usage["grant_calls"]) == (4, 0, 1)
+    again = backend.arena_grant([size], this_node(), spare=3)
+    assert again.slots == [None] and again.spare == []                 # leases are not taken
+    assert backend.arena_usage()["grant_calls"] == 2
+
+
+def test_a_writer_sets_from_its_lease_and_forgets_a_dead_shards() -> None:
+    arena = Arena.create(100, 8)
+    writer = ArenaWriter(client=None, lease_ahead=4)   # only the lease bookkeeping is used
+    writer._arenas[0], writer._leases[0] = arena, Leases()
+    writer._leases[0].add([(1, 11), (2, 12), (3, 13)], asked_at=0.0)
+    out: list[Slotted | None] = [None] * 3
+    # two pages that fit a slot take two leased slots; a record too big for one needs none
+    assert writer._leased(0, [0, 1, 2], [100, 120, 200], out, now=1.0) == []
+    assert out == [Slotted(arena, 1, 11), Slotted(arena, 2, 12), None]
+    assert writer._spare(0) == 3                                        # topped up to 4
+    out = [None] * 2
+    assert writer._leased(0, [0, 1], [100, 100], out, now=1.0) == [0, 1]   # 1 left: ask
+    assert out == [None, None] and len(writer._leases[0]) == 1
+    assert writer._leased(1, [5], [100], out, now=1.0) == [5]          # no lease there
+    # the shard's process is gone: its slots are nobody's, the lease is dropped
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    writer._arenas[0] = types.SimpleNamespace(
+        info=msgspec.structs.replace(arena.info, pid=gone.pid))
+    assert writer._leased(0, [0], [100], [None], now=1.0) == [0]
+    assert len(writer._leases[0]) == 0
+    arena.close()
