@@ -31,12 +31,19 @@ LB_WAITS = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
             "RAY_SERVE_PORT_QUARANTINE_S": "0"}
 
 
-def wanted(flag: bool | None, given: Mapping[str, str]) -> bool:
-    """Direct ingress on: the flag when given, else ``ENABLE`` in ``given`` (the
-    environment with the config's ``env_vars`` over it)."""
-    if flag is not None:
-        return flag
-    return given.get(ENABLE, "0") in TRUE
+def choose(flag: bool | None, given: Mapping[str, str], config: Any, joined: bool) -> bool:
+    """Direct ingress on or off. Asked for (``flag``, else ``ENABLE`` in ``given``: the
+    environment with the config's ``env_vars`` over it): as asked, ``ValueError`` if the
+    config has more than one ingress replica or application. Not asked: on for a local
+    cluster (not ``joined``) whose config has one of each, else off (Serve's proxy)."""
+    asked = flag if flag is not None else \
+        given[ENABLE] in TRUE if ENABLE in given else None
+    apps = ingress_replicas(config)
+    if asked:
+        check_replicas(apps)
+    if asked is not None:
+        return asked
+    return not joined and len(apps) == 1 and apps[0][1] == 1
 
 
 def job_env(direct: bool, port: int, given: Mapping[str, str]) -> dict[str, str]:

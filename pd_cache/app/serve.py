@@ -57,9 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--direct-ingress", action=argparse.BooleanOptionalAction,
                         default=None,
                         help="the ingress replica serves --host:--port itself, no Serve proxy "
-                             "in between (Ray's experimental direct ingress; one ingress "
-                             "replica). Default: on if RAY_SERVE_ENABLE_DIRECT_INGRESS=1 is "
-                             "in the environment or the config's env_vars, else off")
+                             "in between (Ray's direct ingress; one ingress replica). Default: "
+                             "RAY_SERVE_ENABLE_DIRECT_INGRESS if the environment or the "
+                             "config's env_vars set it, else on for a local cluster and a "
+                             "config of one ingress replica, off otherwise")
     parser.add_argument("--dashboard", action="store_true",
                         help="start the Ray dashboard with the local cluster (on 127.0.0.1)")
     add_config_arguments(parser, ClusterConfig, f"the cluster: override the args of the "
@@ -102,10 +103,8 @@ def run(args: argparse.Namespace) -> int:
     apps = [(a, build_application(a)) for a in config.applications]  # bad args fail here
     port = args.port if args.port is not None else config.http_options.port
     runtime_env = job_runtime_env(config)
-    direct = direct_ingress.wanted(args.direct_ingress,
-                                   {**os.environ, **runtime_env["env_vars"]})
-    if direct:
-        direct_ingress.check_replicas(direct_ingress.ingress_replicas(config))
+    direct = direct_ingress.choose(args.direct_ingress, {**os.environ, **runtime_env["env_vars"]},
+                                   config, joined=bool(args.address))
     runtime_env["env_vars"].update(direct_ingress.job_env(direct, port, runtime_env["env_vars"]))
     with ray_session(args.address, dashboard=args.dashboard, runtime_env=runtime_env):
         try:
@@ -137,8 +136,8 @@ def _serve(config: Any, apps: list[tuple[Any, Any]], args: argparse.Namespace, p
                       logging_config=entry.logging_config)
             if direct:
                 direct_ingress.check_serving(args.host, port)
-            print(f"{entry.name}: http://{_url_host(args.host)}:{port}{entry.route_prefix}",
-                  flush=True)
+            print(f"{entry.name}: http://{_url_host(args.host)}:{port}{entry.route_prefix}"
+                  + (" (direct ingress)" if direct else " (through Serve's proxy)"), flush=True)
         _wait_for_stop()
     finally:
         if args.address:  # a shared cluster: remove only what this command deployed

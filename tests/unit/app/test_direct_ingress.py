@@ -1,6 +1,7 @@
 """``pd-cache serve --direct-ingress``: the job env pins Serve's replica port range to
-``--port`` and moves Serve's proxy off it; more than one ingress replica (or application)
-is refused before any Ray process starts; the flag or the env var asks for it."""
+``--port`` and moves Serve's proxy off it; asked for (the flag or the env var) with more
+than one ingress replica (or application), refused before any Ray process starts; not
+asked for, on only for a local cluster and one ingress replica."""
 
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ def _start_only(monkeypatch: pytest.MonkeyPatch, *argv: str,
     monkeypatch.setattr(ray_serve, "start", lambda **kwargs: calls.setdefault("start", kwargs))
     monkeypatch.setattr(ray_serve, "run", run)
     monkeypatch.setattr(ray_serve, "shutdown", lambda: None)
+    monkeypatch.setattr(ray_serve, "delete", lambda _: None)                 # --address
+    monkeypatch.setattr(serve_cli, "_destroy_named_clusters", lambda _: None)
     args = build_parser().parse_args(["serve", str(config), "--model", "tiny", *argv])
     with pytest.raises(KeyboardInterrupt):
         serve_cli.run(args)
@@ -55,16 +58,34 @@ def test_direct_ingress_pins_the_replica_to_the_port_and_moves_the_proxy_off_it(
     assert env["RAY_SERVE_PORT_QUARANTINE_S"] == "0"
     assert http["host"] == "127.0.0.1" and http["port"] != 18123       # the proxy: elsewhere
     assert env["OMP_NUM_THREADS"] == "1"                                # the config's env kept
-    # off by default, and --no-direct-ingress wins over the environment's switch
-    for argv, environ in (((), None), (("--no-direct-ingress",), "1")):
-        if environ:
-            monkeypatch.setenv(direct_ingress.ENABLE, environ)
+    # --no-direct-ingress, or the environment's switch off: Serve's proxy on the port
+    for argv, environ in ((("--no-direct-ingress",), "1"), ((), "0")):
+        monkeypatch.setenv(direct_ingress.ENABLE, environ)
         calls = _start_only(monkeypatch, *argv, "--port", "18123")
         assert calls["runtime_env"]["env_vars"][direct_ingress.ENABLE] == "0"
         assert calls["start"]["http_options"]["port"] == 18123
-    # the environment's (or the config's) switch asks for it without the flag
+    # asked for by neither: on for a local cluster and one ingress replica
+    monkeypatch.delenv(direct_ingress.ENABLE)
     calls = _start_only(monkeypatch, "--port", "18123")
     assert calls["runtime_env"]["env_vars"]["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"] == "18123"
+
+
+def test_not_asked_for_it_is_off_on_a_joined_cluster_or_with_two_ingress_replicas(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(direct_ingress.ENABLE, raising=False)
+    calls = _start_only(monkeypatch, "--address", "127.0.0.1:6379", "--port", "18123")
+    assert calls["runtime_env"]["env_vars"][direct_ingress.ENABLE] == "0"
+    calls = _start_only(monkeypatch, "--port", "18123", config=_two_replicas(tmp_path))
+    assert calls["runtime_env"]["env_vars"][direct_ingress.ENABLE] == "0"
+    assert calls["start"]["http_options"]["port"] == 18123
+
+
+def _two_replicas(tmp_path: Path) -> Path:
+    raw = yaml.safe_load(CONFIG.read_text())
+    raw["applications"][0]["args"]["ingress_replicas"] = 2
+    two = tmp_path / "two.yaml"
+    two.write_text(yaml.safe_dump(raw))
+    return two
 
 
 def test_more_than_one_ingress_replica_is_refused_before_ray_starts(
@@ -73,13 +94,13 @@ def test_more_than_one_ingress_replica_is_refused_before_ray_starts(
         raise AssertionError("a Ray session started")
 
     monkeypatch.setattr(serve_cli, "ray_session", no_ray)
-    raw = yaml.safe_load(CONFIG.read_text())
-    raw["applications"][0]["args"]["ingress_replicas"] = 2
-    two = tmp_path / "two.yaml"
-    two.write_text(yaml.safe_dump(raw))
-    args = build_parser().parse_args(["serve", str(two), "--direct-ingress"])
-    with pytest.raises(ValueError, match="ingress_replicas: 2; the replica listens on --port"):
-        serve_cli.run(args)
+    two = _two_replicas(tmp_path)
+    for argv, environ in ((["--direct-ingress"], "0"), ([], "1")):   # the flag or the env
+        monkeypatch.setenv(direct_ingress.ENABLE, environ)
+        with pytest.raises(ValueError, match="ingress_replicas: 2; the replica listens on "
+                                             "--port"):
+            serve_cli.run(build_parser().parse_args(["serve", str(two), *argv]))
+    raw = yaml.safe_load(two.read_text())
     raw["applications"][0]["args"]["ingress_replicas"] = 1
     raw["applications"].append({**raw["applications"][0], "name": "other",
                                 "route_prefix": "/other"})
