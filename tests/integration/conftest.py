@@ -18,9 +18,8 @@ from typing import NamedTuple
 import pytest
 import yaml
 
-from pd_cache.app.direct_ingress import job_env
 from pd_cache.app.session import ClusterToken, cluster_token, local_cluster_options, loopback_node
-from tests.integration.serving import DIRECT_INGRESS, free_port
+from tests.integration.serving import DIRECT_INGRESS, direct_ingress_env, free_port
 
 ray = pytest.importorskip("ray")
 
@@ -69,7 +68,7 @@ def ray_cluster(ray_token: ClusterToken) -> Iterator[RayCluster]:
     options = local_cluster_options(metrics_interval_ms=1000) | {"num_cpus": 4}
     ingress = free_port() if DIRECT_INGRESS else None
     env = {**JOB_ENV, "env_vars": {**JOB_ENV["env_vars"], **(
-        job_env(True, ingress, {}) if ingress else {})}}
+        direct_ingress_env(ingress) if ingress else {})}}
     with loopback_node():
         info = ray.init(
             **options,
