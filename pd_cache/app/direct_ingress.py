@@ -13,9 +13,10 @@ second replica would find no port and the application would never start).
 Two of Serve's waits are for load balancers that re-read the replicas' ports, which a
 single pinned port has none of: a stopped replica's port is held back for 150 s before
 another may take it, and a replica drains for at least 30 s before it stops. Both are set
-to 0 here (a restarted replica takes the port back at once; ``pd-cache serve`` stops
-without waiting half a minute); the environment or the config's ``env_vars`` overrides
-each.
+to 0 here (a restarted replica may take the port back as soon as it can bind it: after a
+crash, once the dead one's connections leave TIME_WAIT, since Serve binds without
+SO_REUSEADDR; ``pd-cache serve`` stops without waiting half a minute); the environment or
+the config's ``env_vars`` overrides each.
 """
 
 from __future__ import annotations
