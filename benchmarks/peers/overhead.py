@@ -88,6 +88,15 @@ def hops(url: str, model: str, tokens: int, requests: int) -> list[dict[str, flo
     return out[2:]
 
 
+def _ingress_parts(s: dict[str, float]) -> dict[str, float]:
+    """Two parts of the ingress hop, from servers that stamp them: the body's fetch (from
+    Serve's proxy; local with direct ingress) and its parse, tokenize and admission."""
+    if "body_ns" not in s:
+        return {}
+    return {"ingress_body_ms": (s["body_ns"] - s["received_ns"]) / 1e6,
+            "ingress_parse_admit_ms": (s["admitted_ns"] - s["body_ns"]) / 1e6}
+
+
 def breakdown(stamps: list[dict[str, float]], floor: float) -> dict[str, Any]:
     """Median TTFT, the overhead over ``floor`` and the median of each hop (ms)."""
     rows = []
@@ -100,7 +109,8 @@ def breakdown(stamps: list[dict[str, float]], floor: float) -> dict[str, Any]:
                      "router_and_call_ms": s["ttft_ms"] - s["prefill_ms"],
                      "worker_ms": s["prefill_ms"] - floor,
                      "prefill_worker_total_ms": s["prefill_ms"],
-                     "first_token_back_ms": (s["first"] - s["first_token_ns"]) / 1e6})
+                     "first_token_back_ms": (s["first"] - s["first_token_ns"]) / 1e6,
+                     **_ingress_parts(s)})
     med = {k: round(statistics.median(r[k] for r in rows), 2) for k in rows[0]}
     return {"ttft_p50_ms": med.pop("ttft_ms"), "floor_ms": round(floor, 2),
             "serving_overhead_ms": round(statistics.median(r["ttft_ms"] for r in rows)

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from pd_cache.app import direct_ingress
 from pd_cache.app.flags import add_config_arguments, given_fields
 from pd_cache.app.session import LOOPBACK, ray_session
 from pd_cache.core.cluster_config import ClusterConfig
@@ -53,6 +54,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="API-key file (JSON: key -> tenant); without one (and without "
                              "PD_CACHE_API_KEYS_FILE) the server is open and binds loopback "
                              "only")
+    parser.add_argument("--direct-ingress", action=argparse.BooleanOptionalAction,
+                        default=None,
+                        help="the ingress replica serves --host:--port itself, no Serve proxy "
+                             "in between (Ray's direct ingress; one ingress replica). Default: "
+                             "RAY_SERVE_ENABLE_DIRECT_INGRESS if the environment or the "
+                             "config's env_vars set it, else on for a local cluster and a "
+                             "config of one ingress replica, off otherwise")
     parser.add_argument("--dashboard", action="store_true",
                         help="start the Ray dashboard with the local cluster (on 127.0.0.1)")
     add_config_arguments(parser, ClusterConfig, f"the cluster: override the args of the "
@@ -93,10 +101,14 @@ def run(args: argparse.Namespace) -> int:
                                 given_fields(ClusterConfig, args))
     config = with_api_keys(config, args.api_keys, args.host)
     apps = [(a, build_application(a)) for a in config.applications]  # bad args fail here
-    with ray_session(args.address, dashboard=args.dashboard,
-                     runtime_env=job_runtime_env(config)):
+    port = args.port if args.port is not None else config.http_options.port
+    runtime_env = job_runtime_env(config)
+    direct = direct_ingress.choose(args.direct_ingress, {**os.environ, **runtime_env["env_vars"]},
+                                   config, joined=bool(args.address))
+    runtime_env["env_vars"].update(direct_ingress.job_env(direct, port, runtime_env["env_vars"]))
+    with ray_session(args.address, dashboard=args.dashboard, runtime_env=runtime_env):
         try:
-            _serve(config, apps, args)
+            _serve(config, apps, args, port, direct)
         except RayActorError as exc:
             error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
             print(START_FAILED.format(error=error), file=sys.stderr, flush=True)
@@ -104,13 +116,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve(config: Any, apps: list[tuple[Any, Any]], args: argparse.Namespace) -> None:
-    """Start Serve, deploy ``apps`` and serve until stopped; then remove what it started."""
+def _serve(config: Any, apps: list[tuple[Any, Any]], args: argparse.Namespace, port: int,
+           direct: bool) -> None:
+    """Start Serve, deploy ``apps`` and serve until stopped; then remove what it started.
+    ``direct``: the ingress replica serves ``port``, Serve's proxy a free port of its own."""
     from ray import serve
 
     http = config.http_options.model_dump(exclude_unset=True)
-    port = args.port if args.port is not None else config.http_options.port
-    http.update(host=args.host, port=port)
+    http.update(host=args.host,
+                port=direct_ingress.proxy_port(args.host) if direct else port)
     # NOTE: the config's logging_config (Serve's proxy and controller) and each app's (its
     # replicas): serve_config turns the access log off, a line per request on the way of
     # every answer (its file, the log monitor, this process's stderr).
@@ -120,8 +134,10 @@ def _serve(config: Any, apps: list[tuple[Any, Any]], args: argparse.Namespace) -
         for entry, application in apps:
             serve.run(application, name=entry.name, route_prefix=entry.route_prefix,
                       logging_config=entry.logging_config)
-            print(f"{entry.name}: http://{_url_host(args.host)}:{port}{entry.route_prefix}",
-                  flush=True)
+            if direct:
+                direct_ingress.check_serving(args.host, port)
+            print(f"{entry.name}: http://{_url_host(args.host)}:{port}{entry.route_prefix}"
+                  + (" (direct ingress)" if direct else " (through Serve's proxy)"), flush=True)
         _wait_for_stop()
     finally:
         if args.address:  # a shared cluster: remove only what this command deployed

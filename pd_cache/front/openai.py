@@ -120,9 +120,10 @@ def usage(out: Completion) -> dict[str, Any]:
 def details(out: Completion, hops: dict[str, int] | None = None) -> dict[str, Any]:
     """What only admin keys see: cached tokens by tier, timings, the workers used.
     ``ttft_ms``: the cluster's, from routing to the prefill worker's answer; ``prefill_ms``:
-    the worker's own part of it. ``hops`` (streams): ``received_ns`` and ``first_token_ns``,
-    ``time.time_ns()`` when the ingress got the request and handed on its first token, so a
-    client on the same machine can split its TTFT by hop."""
+    the worker's own part of it. ``hops`` (streams): ``received_ns``, ``body_ns``,
+    ``admitted_ns`` and ``first_token_ns``, ``time.time_ns()`` when the ingress got the
+    request, had its body, had admitted it and handed on its first token, so a client on the
+    same machine can split its TTFT by hop."""
     body = {"cached_tokens": dict(out.cached_tokens), "ttft_ms": round(out.ttft_s * 1e3, 3),
             "prefill_ms": round(out.prefill_s * 1e3, 3),
             "latency_ms": round(out.latency_s * 1e3, 3), "prefill_worker": out.prefill_worker,

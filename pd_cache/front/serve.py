@@ -192,10 +192,12 @@ class PDCacheIngress:
                            "latency_ms": round(out.latency_s * 1e3, 3)})
 
     async def _openai(self, request: Any, *, chat: bool) -> Any:
-        received_ns = time.time_ns()
+        hops = {"received_ns": time.time_ns()}   # the overhead breakdown's clock stamps
         tenant = self._tenant(request)
         kind = openai.ChatRequest if chat else openai.CompletionRequest
-        body = decode_json(await read_body(request, self.args.max_body_bytes), kind)
+        raw = await read_body(request, self.args.max_body_bytes)
+        hops["body_ns"] = time.time_ns()
+        body = decode_json(raw, kind)
         check_rid(body.rid)
         if body.model != self.model:
             raise HTTPError(404, f"model {body.model!r} is not served here; this server "
@@ -208,7 +210,8 @@ class PDCacheIngress:
         await self.pins.admit(tenant, req)   # a pin over a limit: 400 before any work
         rid = openai.request_id(chat)
         if body.stream:
-            return self._sse(req, rid, chat, tenant, body.include_usage, received_ns)
+            hops["admitted_ns"] = time.time_ns()
+            return self._sse(req, rid, chat, tenant, body.include_usage, hops)
         with self.admission.place(tenant.name):
             out = await self._complete(req)
         self.guard.served(tenant, out)
@@ -289,11 +292,10 @@ class PDCacheIngress:
             raise unavailable(req, exc) from None
 
     def _sse(self, req: Req, rid: str, chat: bool, tenant: Tenant, with_usage: bool,
-             received_ns: int) -> Any:
+             hops: dict[str, int]) -> Any:
         from starlette.responses import StreamingResponse
 
         place = self.admission.place(tenant.name)   # 429 before the stream; held to its end
-        hops = {"received_ns": received_ns}
         # NOTE: the prefill starts now, while Serve sets the response up, not once it first
         # asks the body for a chunk (a body never read leaves it unanswered: no decode).
         items = self.cluster.stream(req)

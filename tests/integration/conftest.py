@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from pd_cache.app.session import ClusterToken, cluster_token, local_cluster_options, loopback_node
-from tests.integration.serving import free_port
+from tests.integration.serving import DIRECT_INGRESS, direct_ingress_env, free_port
 
 ray = pytest.importorskip("ray")
 
@@ -32,6 +32,7 @@ JOB_ENV = yaml.safe_load(SERVE_CONFIG.read_text())["applications"][0]["runtime_e
 class RayCluster(NamedTuple):
     address: str
     metrics_port: int
+    ingress_port: int | None = None   # DIRECT_INGRESS: the port every app's replica serves
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -65,14 +66,18 @@ def ray_cluster(ray_token: ClusterToken) -> Iterator[RayCluster]:
     # NOTE: "local" (local_cluster_options) always starts a cluster of its own: never attach
     # a test session to some other Ray cluster that happens to run on this machine.
     options = local_cluster_options(metrics_interval_ms=1000) | {"num_cpus": 4}
+    ingress = free_port() if DIRECT_INGRESS else None
+    env = {**JOB_ENV, "env_vars": {**JOB_ENV["env_vars"], **(
+        direct_ingress_env(ingress) if ingress else {})}}
     with loopback_node():
         info = ray.init(
             **options,
             _metrics_export_port=port,
-            runtime_env=JOB_ENV,
+            runtime_env=env,
             logging_level="WARNING",
         )
-        yield RayCluster(address=info.address_info["gcs_address"], metrics_port=port)
+        yield RayCluster(address=info.address_info["gcs_address"], metrics_port=port,
+                         ingress_port=ingress)
         ray.shutdown()
 
 
@@ -82,7 +87,7 @@ def serve_url(ray_cluster: RayCluster) -> Iterator[str]:
     serve = pytest.importorskip("ray.serve")
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    yield f"http://127.0.0.1:{port}"
+    yield f"http://127.0.0.1:{ray_cluster.ingress_port or port}"
     # NOTE: a multinode module may have ended the session's cluster already (and Serve with it)
     if ray.is_initialized() and ray.get_runtime_context().gcs_address == ray_cluster.address:
         serve.shutdown()

@@ -8,6 +8,7 @@ them; only the cluster's token (``pd_cache.app.session.cluster_token``) lets a p
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -25,7 +26,7 @@ import pytest
 import yaml
 
 from pd_cache.app.session import ClusterToken
-from tests.integration.listening import http_listeners
+from tests.integration.listening import http_listeners, listeners
 
 ray = pytest.importorskip("ray")
 import psutil  # noqa: E402  (the test extra)
@@ -167,9 +168,29 @@ def _assert_http_on_loopback(output: str, pids: set[int], dashboard: bool) -> No
     assert [s for s in found if not s.loopback] == []
 
 
+def _assert_streams_on(port: int, output: str, cluster: set[Any]) -> None:
+    """A streamed chat completion is answered on ``port``, the one URL the command printed,
+    by the ingress replica itself: Serve's proxy listens elsewhere."""
+    assert f"pd-cache: http://127.0.0.1:{port}/" in output, output[-3000:]
+    (owner,) = {s.pid for s in listeners({p.pid for p in cluster}) if s.port == port}
+    assert "ServeReplica" in " ".join(psutil.Process(owner).cmdline())
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+            "ignore_eos": True, "stream": True}
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions",
+                                     data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as r:
+        events = [line[6:] for line in r.read().decode().splitlines() if line]
+    assert events[-1] == "[DONE]", events
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert sum(len(c["choices"][0]["token_ids"]) for c in chunks) == 4
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
 @pytest.mark.parametrize("argv, ready, sig, group, code", [
-    (["serve", "{config}", "--port", "{port}", "--dashboard"], "serving; ", signal.SIGTERM,
-     False, 0),
+    # NOTE: --direct-ingress: the ingress replica answers on --port itself (a stream below)
+    (["serve", "{config}", "--port", "{port}", "--dashboard", "--direct-ingress"], "serving; ",
+     signal.SIGTERM, False, 0),
     # NOTE: long enough to be running when the signal comes, after the checks of the cluster's
     # processes (they scan every process on the machine: in one fresh-clone suite 150 rounds
     # of 4 clients, 16.5 s, ended first); 16 conversations within tiny's 1,024 tokens
@@ -188,6 +209,8 @@ def test_a_stopped_command_leaves_no_ray_process(tmp_path: Path, argv: list[str]
         assert stat.S_IMODE(os.stat(token_path).st_mode) == 0o600
         assert {_name(p) for p in cluster} >= {"gcs_server", "raylet"}
         _assert_http_on_loopback("".join(lines), {p.pid for p in cluster}, "--dashboard" in argv)
+        if "--direct-ingress" in argv:
+            _assert_streams_on(int(argv[argv.index("--port") + 1]), "".join(lines), cluster)
         # an orchestrator signals the command; Ctrl-C signals the terminal's process group
         if group:
             os.killpg(command.pid, sig)

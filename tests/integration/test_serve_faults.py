@@ -30,13 +30,13 @@ serve = pytest.importorskip("ray.serve")
 ray = pytest.importorskip("ray")
 
 from tests.integration.clusters import assert_idle  # noqa: E402
-from tests.integration.serving import running_app  # noqa: E402  (needs ray[serve])
+from tests.integration.serving import DIRECT_INGRESS, running_app  # noqa: E402
 
 NAME = "pd-cache-faults"
 APP = "pd-cache-faults-app"
 ARGS = {"model": "tiny", "page_size": 4, "num_prefill": 2, "num_decode": 2, "num_storage": 1,
         "device_pages": 64, "host_pages": 128, "request_timeout_s": 30.0,
-        "cluster_name": NAME, "ingress_replicas": 2}
+        "cluster_name": NAME, "ingress_replicas": 1 if DIRECT_INGRESS else 2}
 MODEL = ModelConfig.preset("tiny")
 
 
@@ -187,6 +187,7 @@ def ingress_pids() -> list[int]:
             and info["State"] == "ALIVE"]
 
 
+@pytest.mark.skipif(DIRECT_INGRESS, reason="direct ingress: one port takes one replica")
 def test_one_of_two_ingress_replicas_killed_under_load_costs_no_later_request(url: str) -> None:
     workers = {(r, i): pid_of(r, i) for r in ("prefill", "decode") for i in range(2)}
     replicas = until("two ingress replicas", lambda: (p := ingress_pids()) and len(p) == 2 and p)

@@ -82,7 +82,7 @@ def test_a_streams_prefill_starts_before_serve_reads_the_body() -> None:
 
     async def run() -> list[str]:
         req = Req(rid="r", input_ids=[3, 4], max_new_tokens=2)
-        body = ingress._sse(req, "cmpl-x", False, OPEN, False, 0).body_iterator
+        body = ingress._sse(req, "cmpl-x", False, OPEN, False, {"received_ns": 0}).body_iterator
         await asyncio.sleep(0)
         assert ingress.cluster.asked == ["r"]   # before the first chunk is asked for
         assert ingress.admission.pending == 1
