@@ -33,6 +33,7 @@ import platform
 import time
 from pathlib import Path
 
+from core_timeline import Timeline, by_worker, describe, phases, process_cpu, run_bounds
 from results_io import write_result  # this folder: the tail every benchmark shares
 
 from pd_cache import ClusterConfig, PDCluster, Req
@@ -77,13 +78,7 @@ def _comm(proc: Path) -> str:
 
 def cpu_seconds(pids: dict[str, list[int]]) -> dict[str, float]:
     """User + system CPU seconds each role's processes have used so far."""
-    return {role: sum(_process_cpu(pid) for pid in ids) for role, ids in pids.items()}
-
-
-def _process_cpu(pid: int) -> float:
-    """utime + stime of a process of this machine (Linux ``/proc``), in seconds."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return {role: sum(process_cpu(pid) for pid in ids) for role, ids in pids.items()}
 
 
 def workload(wl: dict) -> Workload:
@@ -103,10 +98,15 @@ def measure(cfg: ClusterConfig, stream: Workload, lockstep: bool) -> dict:
         cpu_before, driver_before = cpu_seconds(pids), _own_cpu()
         calls_before = cluster.l3_calls()
         target = LocalTarget(cluster, stream=False)
-        start = time.perf_counter()
+        timeline = Timeline(by_worker({**pids, "driver": [os.getpid()]}, "decode"))
+        start = timeline.start_s = time.perf_counter()
+        timeline.start()
         run = asyncio.run(run_open_loop(target, stream.requests, [0.0] * len(stream.requests),
                                         lockstep=lockstep))
         seconds = time.perf_counter() - start
+        prefilled = [r.sent_s + target.completions[r.index].ttft_s for r in run.records
+                     if r.ok]
+        cores = phases(timeline.stop(), run_bounds(prefilled, seconds), os.cpu_count() or 1)
         cluster.flush()
         cpu = {role: t - cpu_before[role] for role, t in cpu_seconds(pids).items()}
         cpu["driver"] = _own_cpu() - driver_before
@@ -133,7 +133,7 @@ def measure(cfg: ClusterConfig, stream: Workload, lockstep: bool) -> dict:
         # NOTE: no page index yet: prefill asks none (pd_cache_index_queries_total).
         "index_queries_per_request": 0.0,
         "cross_namespace_tokens": t["cross_namespace_tokens"],
-        "phases_p50_s": phases(done), "cpu_seconds": cpu,
+        "phases_p50_s": phases_p50(done), "cpu_seconds": cpu, "core_use": cores,
         "prompts": {c.rid: (c.num_prompt_tokens, sum(c.cached_tokens.values()))
                     for c in done},
         "prefill_s": {c.rid: c.prefill_s for c in done},
@@ -159,7 +159,7 @@ def page_kinds(stats: dict[str, dict[str, int]]) -> dict[str, int]:
 
 
 def _own_cpu() -> float:
-    return _process_cpu(os.getpid())
+    return process_cpu(os.getpid())
 
 
 def saved_fractions(model_name: str, prompts: dict[str, tuple[int, int]],
@@ -204,7 +204,7 @@ def strict_bound_cpu(on: dict[str, float], off: dict[str, float], saved: float) 
     return off["prefill"] - saved + rest
 
 
-def phases(done: list) -> dict[str, float]:
+def phases_p50(done: list) -> dict[str, float]:
     """Median seconds per phase: the prefill worker's own time, the wait for a prefill
     worker (TTFT minus it, the router and Ray included), KV handoff, batched decode."""
     return {"prefill": percentile([c.prefill_s for c in done], 50),
@@ -240,6 +240,7 @@ def main() -> None:
           "preamble_tokens": 64, "vocab_size": 4096,
           "seed": SEED}
     stream = workload(wl)
+    load = os.getloadavg()
     base = ClusterConfig(model=args.model, device_pages=512, host_pages=2048,
                          decode_batch=args.decode_batch, decode_pack=args.decode_pack,
                          threads=args.threads, offload_min_pages=args.offload_min_pages)
@@ -255,6 +256,7 @@ def main() -> None:
                   f"cached {r['cached_tokens']}", flush=True)
             print("          phase p50 (ms): " + ", ".join(
                 f"{k} {v * 1e3:.0f}" for k, v in r["phases_p50_s"].items()), flush=True)
+            describe(mode, r["core_use"])
     on, off = results["on"], results["off"]
     same = on.pop("outputs") == off.pop("outputs")
     # The bound: the cache-off run's time minus the compute the cached tokens no longer
@@ -287,7 +289,8 @@ def main() -> None:
         "benchmark": "pd_cluster_multi_turn", "seed": SEED, "model": args.model,
         "workload": {**wl, "stream": stream.describe(), "lockstep": args.lockstep},
         "decode_batch": args.decode_batch, "offload_min_pages": args.offload_min_pages,
-        "decode_pack": args.decode_pack, "machine": {"cpus": os.cpu_count(),
+        "decode_pack": args.decode_pack, "load_average": load,
+        "machine": {"cpus": os.cpu_count(),
                                              "python": platform.python_version()},
         "on": on, "off": off, "outputs_equal": same,
         "throughput_ratio": on["requests_per_s"] / off["requests_per_s"],
