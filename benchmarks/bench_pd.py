@@ -228,6 +228,8 @@ def main() -> None:
                         help="decode's last write of a request only if it sends this many "
                              "pages (ClusterConfig.offload_min_pages; 2: an answer's lone "
                              "page is recomputed, not offloaded)")
+    parser.add_argument("--spread-cores", type=int, default=ClusterConfig.decode_spread_cores,
+                        help="ClusterConfig.decode_spread_cores; the same in both modes")
     parser.add_argument("--threads", type=int, default=ClusterConfig.threads,
                         help="torch threads per worker; the same in both modes")
     parser.add_argument("--lockstep", action=argparse.BooleanOptionalAction, default=False,
@@ -243,7 +245,8 @@ def main() -> None:
     load = os.getloadavg()
     base = ClusterConfig(model=args.model, device_pages=512, host_pages=2048,
                          decode_batch=args.decode_batch, decode_pack=args.decode_pack,
-                         threads=args.threads, offload_min_pages=args.offload_min_pages)
+                         threads=args.threads, offload_min_pages=args.offload_min_pages,
+                         decode_spread_cores=args.spread_cores)
     results = {}
     with ray_session(None):
         for mode, cache in (("on", True), ("off", False)):
@@ -289,7 +292,8 @@ def main() -> None:
         "benchmark": "pd_cluster_multi_turn", "seed": SEED, "model": args.model,
         "workload": {**wl, "stream": stream.describe(), "lockstep": args.lockstep},
         "decode_batch": args.decode_batch, "offload_min_pages": args.offload_min_pages,
-        "decode_pack": args.decode_pack, "load_average": load,
+        "decode_pack": args.decode_pack, "decode_spread_cores": args.spread_cores,
+        "load_average": load,
         "machine": {"cpus": os.cpu_count(),
                                              "python": platform.python_version()},
         "on": on, "off": off, "outputs_equal": same,
