@@ -21,9 +21,11 @@ Packing (``decode_pack``) and the prefix each decode worker keeps both gather re
 one decode worker; on workers that share a few cores that leaves cores idle whenever the
 prefills are done and one decode batch steps alone (a closed loop's clients all waiting on
 their answers, a run's last batches). ``spread``: while fewer workers (prefill and decode)
-have requests in flight than the cores they share (``decode_spread_cores``), a request whose
-chosen decode worker is busy goes to an idle one instead; the conversation's next turns
-follow it there (its cache now holds them). Busy cores keep the packing and the affinity.
+have requests in flight than the cores they share (``decode_spread_cores``), a request
+whose chosen decode worker is busy goes to an idle one instead; the conversation's next
+turns follow it there (its cache now holds them). Busy cores keep the packing and the
+affinity. Off by default: on shared CPU cores two half batches cost more CPU than the idle
+core gives back (docs/benchmarks.md).
 
 The reservation costs the time to first token nothing but the call's submission: measured
 before it was folded into prefill, awaiting it took 8 ms at the median and 26 ms at p90

@@ -98,10 +98,10 @@ class ClusterConfig:
                                         "at once; the rest wait, tenants in turn (0: no "
                                         "bound)")
     decode_pack: bool = _knob(False, "fill the busiest decode batch with room first")
-    decode_spread_cores: int = _knob(-1, "cores the workers share: while fewer workers than "
-                                         "this have requests in flight, a request whose "
-                                         "decode worker is busy goes to an idle one instead "
-                                         "(-1: the CPUs Ray counts; 0: never)")
+    decode_spread_cores: int = _knob(0, "cores the workers share: while fewer workers than "
+                                        "this have requests in flight, a request whose "
+                                        "decode worker is busy goes to an idle one instead "
+                                        "(0: never; -1: the CPUs Ray counts)")
     decode_cache: bool = _knob(True, "decode workers keep a prefix cache: a conversation's "
                                      "next turn is handed only the pages decode lacks")
     max_pinned_fraction: float = _knob(0.5, "the most of each pool and L3 shard that pinned "

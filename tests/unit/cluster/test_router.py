@@ -103,6 +103,7 @@ def test_spread_sends_a_busy_choice_to_an_idle_decode_worker_only_while_cores_id
 
 
 def test_decode_spread_cores_is_checked() -> None:
-    assert ClusterConfig(decode_spread_cores=0).decode_spread_cores == 0
+    assert ClusterConfig().decode_spread_cores == 0     # off unless asked for
+    assert ClusterConfig(decode_spread_cores=-1).decode_spread_cores == -1
     with pytest.raises(ValueError, match="decode_spread_cores"):
         ClusterConfig(decode_spread_cores=-2)
