@@ -12,7 +12,8 @@ prefill compute the cached tokens no longer need (their share of each request's 
 timed here with the workload's own lengths), converted to wall time at the off run's own
 core utilization; ``amdahl_bound_ratio`` = off time / bound, ``efficiency`` =
 ``throughput_ratio / amdahl_bound_ratio``. The CPU seconds each role (prefill, decode,
-storage, Ray's raylet and GCS, this driver) used in each mode say where the rest goes.
+storage, the page index, Ray's raylet and GCS, this driver) used in each mode say where the
+rest goes.
 
 The load is ``pd-cache bench``'s closed loop (its multi-turn workload at rate inf, each
 client sending its next turn when its own answer is in; ``--lockstep``: round by round) with
@@ -21,7 +22,8 @@ bench took this shape); every prompt starts with a 64-token preamble shared by a
 
 Writes benchmarks/results/pd.json (``throughput_ratio`` and ``ttft_p50_ratio`` are on/off;
 ``storage_calls_per_request``: the L3 calls the shards answered during the cache-on run,
-as they count them, per request; ``index_queries_per_request``: 0 until a page index).
+as they count them, per request; ``index_queries_per_request``: the page index shards' queries
+per request, 0 without an index (``--index-shards``) or while each front's mirror answers).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import platform
 import time
 from pathlib import Path
 
+from core_timeline import Timeline, by_worker, describe, phases, process_cpu, run_bounds
 from results_io import write_result  # this folder: the tail every benchmark shares
 from thread_cpu import thread_cpu, thread_cpu_delta  # this folder
 
@@ -65,6 +68,7 @@ def actor_pids(cluster: PDCluster) -> dict[str, list[int]]:
     return {"prefill": ray.get([a.pid.remote() for a in cluster.prefill]),
             "decode": ray.get([a.pid.remote() for a in cluster.decode]),
             "storage": ray.get([s.ping.remote() for s in cluster.storage]),
+            "index": ray.get([a.pid.remote() for a in cluster.index_actors]),
             "ray": [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
                     and _comm(p) in ("raylet", "gcs_server")]}
 
@@ -78,13 +82,7 @@ def _comm(proc: Path) -> str:
 
 def cpu_seconds(pids: dict[str, list[int]]) -> dict[str, float]:
     """User + system CPU seconds each role's processes have used so far."""
-    return {role: sum(_process_cpu(pid) for pid in ids) for role, ids in pids.items()}
-
-
-def _process_cpu(pid: int) -> float:
-    """utime + stime of a process of this machine (Linux ``/proc``), in seconds."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return {role: sum(process_cpu(pid) for pid in ids) for role, ids in pids.items()}
 
 
 def workload(wl: dict) -> Workload:
@@ -104,11 +102,17 @@ def measure(cfg: ClusterConfig, stream: Workload, lockstep: bool) -> dict:
         cpu_before, driver_before = cpu_seconds(pids), _own_cpu()
         threads_before = {r: thread_cpu(pids[r]) for r in ("prefill", "storage")}
         calls_before, grants_before = cluster.l3_calls(), grant_calls(cluster)
+        queries_before = index_queries(cluster)
         target = LocalTarget(cluster, stream=False)
-        start = time.perf_counter()
+        timeline = Timeline(by_worker({**pids, "driver": [os.getpid()]}, "decode"))
+        start = timeline.start_s = time.perf_counter()
+        timeline.start()
         run = asyncio.run(run_open_loop(target, stream.requests, [0.0] * len(stream.requests),
                                         lockstep=lockstep))
         seconds = time.perf_counter() - start
+        prefilled = [r.sent_s + target.completions[r.index].ttft_s for r in run.records
+                     if r.ok]
+        cores = phases(timeline.stop(), run_bounds(prefilled, seconds), os.cpu_count() or 1)
         cluster.flush()
         cpu = {role: t - cpu_before[role] for role, t in cpu_seconds(pids).items()}
         cpu["driver"] = _own_cpu() - driver_before
@@ -116,6 +120,7 @@ def measure(cfg: ClusterConfig, stream: Workload, lockstep: bool) -> dict:
         writes = {**cluster.l3_writes(), **page_kinds(cluster.engine_stats())}
         calls = {op: n - calls_before[op] for op, n in cluster.l3_calls().items()}
         calls["arena_grant"] = grant_calls(cluster) - grants_before   # not an L3 op: apart
+        queries = index_queries(cluster) - queries_before
     finally:
         cluster.shutdown()
     failed = [r.error for r in run.records if not r.ok]
@@ -135,10 +140,10 @@ def measure(cfg: ClusterConfig, stream: Workload, lockstep: bool) -> dict:
         "pages_handed_off": t["pages_handed_off"], "l3_writes": writes,
         "storage_calls": calls, "storage_calls_per_request":
             sum(n for op, n in calls.items() if op != "arena_grant") / len(done),
-        # NOTE: no page index yet: prefill asks none (pd_cache_index_queries_total).
-        "index_queries_per_request": 0.0,
+        "index_queries_per_request": queries / len(done),
         "cross_namespace_tokens": t["cross_namespace_tokens"],
-        "phases_p50_s": phases(done), "cpu_seconds": cpu, "thread_cpu_seconds": threads,
+        "phases_p50_s": phases_p50(done), "cpu_seconds": cpu, "core_use": cores,
+        "thread_cpu_seconds": threads,
         "prompts": {c.rid: (c.num_prompt_tokens, sum(c.cached_tokens.values()))
                     for c in done},
         "prefill_s": {c.rid: c.prefill_s for c in done},
@@ -152,6 +157,15 @@ def grant_calls(cluster: PDCluster) -> int:
 
     return sum(u.get("grant_calls", 0) for u in ray.get(
         [s.arena_usage.remote() for s in cluster.storage]))
+
+
+def index_queries(cluster: PDCluster) -> int:
+    """Queries the page index shards answered so far (0 without an index; a front that
+    routes from its mirror asks none while the mirror is in sync)."""
+    import ray
+
+    return sum(s.get("query", 0) for s in ray.get(
+        [a.stats.remote() for a in cluster.index_actors]))
 
 
 def handoff(cfg: ClusterConfig, done: list) -> dict:
@@ -172,7 +186,7 @@ def page_kinds(stats: dict[str, dict[str, int]]) -> dict[str, int]:
 
 
 def _own_cpu() -> float:
-    return _process_cpu(os.getpid())
+    return process_cpu(os.getpid())
 
 
 def saved_fractions(model_name: str, prompts: dict[str, tuple[int, int]],
@@ -212,12 +226,13 @@ def _timed(model, ids: list[int], past) -> float:
 def strict_bound_cpu(on: dict[str, float], off: dict[str, float], saved: float) -> float:
     """CPU seconds of a cache with no cost of its own: the off run's prefill less ``saved``,
     every other role at the cheaper of the two runs (decode batches fill better when
-    prefill is fast), storage at zero (it exists only for the cache)."""
-    rest = sum(min(on[role], off[role]) for role in on if role not in ("prefill", "storage"))
+    prefill is fast), storage and the page index at zero (they exist only for the cache)."""
+    rest = sum(min(on[role], off.get(role, 0.0)) for role in on
+               if role not in ("prefill", "storage", "index"))
     return off["prefill"] - saved + rest
 
 
-def phases(done: list) -> dict[str, float]:
+def phases_p50(done: list) -> dict[str, float]:
     """Median seconds per phase: the prefill worker's own time, the wait for a prefill
     worker (TTFT minus it, the router and Ray included), KV handoff, batched decode."""
     return {"prefill": percentile([c.prefill_s for c in done], 50),
@@ -241,6 +256,12 @@ def main() -> None:
                         help="decode's last write of a request only if it sends this many "
                              "pages (ClusterConfig.offload_min_pages; 2: an answer's lone "
                              "page is recomputed, not offloaded)")
+    parser.add_argument("--index-shards", type=int, default=0,
+                        help="page index actors with the cache on (ClusterConfig.index_shards; "
+                             "0: none, prefill reads L3 past its local hit unasked); "
+                             "index_mirror_s as configured")
+    parser.add_argument("--spread-cores", type=int, default=ClusterConfig.decode_spread_cores,
+                        help="ClusterConfig.decode_spread_cores; the same in both modes")
     parser.add_argument("--threads", type=int, default=ClusterConfig.threads,
                         help="torch threads per worker; the same in both modes")
     parser.add_argument("--lockstep", action=argparse.BooleanOptionalAction, default=False,
@@ -253,13 +274,18 @@ def main() -> None:
           "preamble_tokens": 64, "vocab_size": 4096,
           "seed": SEED}
     stream = workload(wl)
+    load = os.getloadavg()
     base = ClusterConfig(model=args.model, device_pages=512, host_pages=2048,
                          decode_batch=args.decode_batch, decode_pack=args.decode_pack,
-                         threads=args.threads, offload_min_pages=args.offload_min_pages)
+                         threads=args.threads, offload_min_pages=args.offload_min_pages,
+                         decode_spread_cores=args.spread_cores)
+    # NOTE: the index exists for the cache alone: the off run starts none.
+    with_index = {"index_shards": args.index_shards}
     results = {}
     with ray_session(None):
         for mode, cache in (("on", True), ("off", False)):
-            cfg = ClusterConfig(**{**base.__dict__, "cache": cache})
+            cfg = ClusterConfig(**{**base.__dict__, "cache": cache,
+                                   **(with_index if cache else {})})
             results[mode] = measure(cfg, stream, args.lockstep)
             r = results[mode]
             print(f"cache {mode:>3}: {r['seconds']:.2f} s, {r['requests_per_s']:.2f} req/s, "
@@ -268,6 +294,7 @@ def main() -> None:
                   f"cached {r['cached_tokens']}", flush=True)
             print("          phase p50 (ms): " + ", ".join(
                 f"{k} {v * 1e3:.0f}" for k, v in r["phases_p50_s"].items()), flush=True)
+            describe(mode, r["core_use"])
     on, off = results["on"], results["off"]
     same = on.pop("outputs") == off.pop("outputs")
     # The bound: the cache-off run's time minus the compute the cached tokens no longer
@@ -300,7 +327,10 @@ def main() -> None:
         "benchmark": "pd_cluster_multi_turn", "seed": SEED, "model": args.model,
         "workload": {**wl, "stream": stream.describe(), "lockstep": args.lockstep},
         "decode_batch": args.decode_batch, "offload_min_pages": args.offload_min_pages,
-        "decode_pack": args.decode_pack, "machine": {"cpus": os.cpu_count(),
+        "decode_pack": args.decode_pack, "decode_spread_cores": args.spread_cores,
+        "index_shards": args.index_shards,
+        "load_average": load,
+        "machine": {"cpus": os.cpu_count(),
                                              "python": platform.python_version()},
         "on": on, "off": off, "outputs_equal": same,
         "throughput_ratio": on["requests_per_s"] / off["requests_per_s"],

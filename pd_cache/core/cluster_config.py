@@ -98,6 +98,10 @@ class ClusterConfig:
                                         "at once; the rest wait, tenants in turn (0: no "
                                         "bound)")
     decode_pack: bool = _knob(False, "fill the busiest decode batch with room first")
+    decode_spread_cores: int = _knob(0, "cores the workers share: while fewer workers than "
+                                        "this have requests in flight, a request whose "
+                                        "decode worker is busy goes to an idle one instead "
+                                        "(0: never; -1: the CPUs Ray counts)")
     decode_cache: bool = _knob(True, "decode workers keep a prefix cache: a conversation's "
                                      "next turn is handed only the pages decode lacks")
     max_pinned_fraction: float = _knob(0.5, "the most of each pool and L3 shard that pinned "
@@ -133,6 +137,7 @@ class ClusterConfig:
                      "prefill_queue_depth"):
             check_int_at_least(name, getattr(self, name), 0)
         check_int_at_least("worker_restarts", self.worker_restarts, -1)
+        check_int_at_least("decode_spread_cores", self.decode_spread_cores, -1)
         if self.with_storage and self.storage_replicas > self.num_storage:
             raise ValueError(f"storage_replicas: expected <= num_storage={self.num_storage}, "
                              f"got {self.storage_replicas!r}")

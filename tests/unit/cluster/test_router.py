@@ -1,10 +1,12 @@
-"""The router's pure logic: prefix-aware prefill routing, decode packing."""
+"""The router's pure logic: prefix-aware prefill routing, decode packing and spreading."""
 
 from __future__ import annotations
 
 import pytest
 
+from pd_cache.cluster.decode_route import spread
 from pd_cache.cluster.router import NoLiveWorker, PrefixRouter
+from pd_cache.core.cluster_config import ClusterConfig
 
 PS = 4
 
@@ -87,3 +89,21 @@ def test_a_decode_worker_another_front_filled_is_found_from_the_page_index() -> 
         r.begin(2)
     assert r.pick(names, known=known) == (0, 2)         # overloaded: the balance still rules
     assert r.pick(names, exclude=[0], known=known) == (1, 0)
+
+
+def test_spread_sends_a_busy_choice_to_an_idle_decode_worker_only_while_cores_idle() -> None:
+    # One worker busy of two cores: the other core would idle beside its batch.
+    assert spread(0, [5, 0], [0, 0], cores=2, live=[0, 1]) == 1
+    # A prefill in flight fills the second core: keep the batch (and the affinity).
+    assert spread(0, [5, 0], [1, 0], cores=2, live=[0, 1]) == 0
+    assert spread(0, [0, 0], [0, 0], cores=2, live=[0, 1]) == 0     # the choice is idle
+    assert spread(0, [5, 3], [0, 0], cores=4, live=[0, 1]) == 0     # no idle decode worker
+    assert spread(0, [5, 0, 0], [0], cores=4, live=[0, 2]) == 2     # worker 1 is down
+    assert spread(1, [0, 2, 0], [1, 1], cores=4, live=[0, 1, 2]) == 0
+
+
+def test_decode_spread_cores_is_checked() -> None:
+    assert ClusterConfig().decode_spread_cores == 0     # off unless asked for
+    assert ClusterConfig(decode_spread_cores=-1).decode_spread_cores == -1
+    with pytest.raises(ValueError, match="decode_spread_cores"):
+        ClusterConfig(decode_spread_cores=-2)
