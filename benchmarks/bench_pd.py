@@ -35,7 +35,15 @@ import platform
 import time
 from pathlib import Path
 
-from core_timeline import Timeline, by_worker, describe, phases, process_cpu, run_bounds
+from core_timeline import (
+    Timeline,
+    by_worker,
+    describe,
+    phases,
+    process_cpu,
+    role_cpu,
+    run_bounds,
+)
 from results_io import write_result  # this folder: the tail every benchmark shares
 from thread_cpu import thread_cpu, thread_cpu_delta  # this folder
 
@@ -80,11 +88,6 @@ def _comm(proc: Path) -> str:
         return ""
 
 
-def cpu_seconds(pids: dict[str, list[int]]) -> dict[str, float]:
-    """User + system CPU seconds each role's processes have used so far."""
-    return {role: sum(process_cpu(pid) for pid in ids) for role, ids in pids.items()}
-
-
 def workload(wl: dict) -> Workload:
     """The bench's multi-turn stream of ``wl`` (``main``'s shape)."""
     return multi_turn_workload(wl["tenants"], wl["clients_per_tenant"], wl["rounds"],
@@ -99,7 +102,7 @@ def measure(cfg: ClusterConfig, stream: Workload, lockstep: bool) -> dict:
     try:
         warm_up(cluster)
         pids = actor_pids(cluster)
-        cpu_before, driver_before = cpu_seconds(pids), _own_cpu()
+        cpu_before, driver_before = role_cpu(pids), _own_cpu()
         threads_before = {r: thread_cpu(pids[r]) for r in ("prefill", "storage")}
         calls_before, grants_before = cluster.l3_calls(), grant_calls(cluster)
         queries_before = index_queries(cluster)
@@ -114,7 +117,7 @@ def measure(cfg: ClusterConfig, stream: Workload, lockstep: bool) -> dict:
                      if r.ok]
         cores = phases(timeline.stop(), run_bounds(prefilled, seconds), os.cpu_count() or 1)
         cluster.flush()
-        cpu = {role: t - cpu_before[role] for role, t in cpu_seconds(pids).items()}
+        cpu = {role: t - cpu_before[role] for role, t in role_cpu(pids).items()}
         cpu["driver"] = _own_cpu() - driver_before
         threads = {r: thread_cpu_delta(b, thread_cpu(pids[r])) for r, b in threads_before.items()}
         writes = {**cluster.l3_writes(), **page_kinds(cluster.engine_stats())}

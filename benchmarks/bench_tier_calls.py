@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from bench_storage import chain_records  # this folder: how its records are named
+from core_timeline import process_cpu  # this folder
 from results_io import write_result  # this folder: the tail every benchmark shares
 
 from pd_cache.app.session import cluster_token
@@ -55,11 +56,6 @@ def records(cfg: PDCacheConfig, n: int, salt: str) -> list[PageRecord]:
     gen = torch.Generator().manual_seed(SEED)
     return chain_records(cfg.layout, [torch.randn(cfg.layout.page_shape, generator=gen)
                                       for _ in range(n)], salt)
-
-
-def process_cpu(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def per_call(call: Any, calls: int, tier_pid: int) -> dict[str, float]:

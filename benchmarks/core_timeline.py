@@ -15,22 +15,25 @@ decode batches stepped on one core while the other waited.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-TICK = os.sysconf("SC_CLK_TCK")
+from thread_cpu import stat_cpu  # this folder
 
 
 def process_cpu(pid: int) -> float:
     """utime + stime of a process of this machine (Linux ``/proc``), in seconds; 0 if gone."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return stat_cpu(Path(f"/proc/{pid}/stat").read_text())
     except OSError:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def role_cpu(pids: dict[str, list[int]]) -> dict[str, float]:
+    """User + system CPU seconds each role's processes have used so far."""
+    return {role: sum(process_cpu(p) for p in ids) for role, ids in pids.items()}
 
 
 class Timeline(threading.Thread):
@@ -44,7 +47,7 @@ class Timeline(threading.Thread):
         self.start_s = time.perf_counter()
 
     def read(self) -> dict[str, float]:
-        return {role: sum(process_cpu(p) for p in ids) for role, ids in self.pids.items()}
+        return role_cpu(self.pids)
 
     def run(self) -> None:
         while True:

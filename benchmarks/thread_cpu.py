@@ -22,9 +22,17 @@ from pathlib import Path
 _TAIL = re.compile(r"[-_.\d]+$")
 
 
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def stat_cpu(stat: str) -> float:
+    """utime + stime, in seconds, of a process's or thread's ``/proc/.../stat`` line."""
+    fields = stat.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
 def thread_cpu(pids: Iterable[int]) -> dict[tuple[int, int], tuple[str, float]]:
     """Per thread (pid, tid) of ``pids``: its name group and user + system CPU seconds."""
-    tick = os.sysconf("SC_CLK_TCK")
     out = {}
     for pid in pids:
         try:
@@ -37,9 +45,8 @@ def thread_cpu(pids: Iterable[int]) -> dict[tuple[int, int], tuple[str, float]]:
             except OSError:
                 continue
             name = stat[stat.index("(") + 1:stat.rindex(")")]
-            fields = stat.rsplit(")", 1)[1].split()
             group = thread_group(name) + (" main" if int(task.name) == pid else "")
-            out[(pid, int(task.name))] = (group, (int(fields[11]) + int(fields[12])) / tick)
+            out[(pid, int(task.name))] = (group, stat_cpu(stat))
     return out
 
 
