@@ -267,6 +267,10 @@ def main() -> None:
                         help="ClusterConfig.decode_spread_cores; the same in both modes")
     parser.add_argument("--threads", type=int, default=ClusterConfig.threads,
                         help="torch threads per worker; the same in both modes")
+    parser.add_argument("--lend-cores", action=argparse.BooleanOptionalAction,
+                        default=ClusterConfig.lend_cores,
+                        help="ClusterConfig.lend_cores: a forward borrows the cores the other "
+                             "workers leave idle; the same in both modes")
     parser.add_argument("--lockstep", action=argparse.BooleanOptionalAction, default=False,
                         help="rounds in lockstep (every client waits for the whole round) "
                              "instead of each client sending its next turn when its own "
@@ -280,7 +284,8 @@ def main() -> None:
     load = os.getloadavg()
     base = ClusterConfig(model=args.model, device_pages=512, host_pages=2048,
                          decode_batch=args.decode_batch, decode_pack=args.decode_pack,
-                         threads=args.threads, offload_min_pages=args.offload_min_pages,
+                         threads=args.threads, lend_cores=args.lend_cores,
+                         offload_min_pages=args.offload_min_pages,
                          decode_spread_cores=args.spread_cores)
     # NOTE: the index exists for the cache alone: the off run starts none.
     with_index = {"index_shards": args.index_shards}
@@ -331,7 +336,7 @@ def main() -> None:
         "workload": {**wl, "stream": stream.describe(), "lockstep": args.lockstep},
         "decode_batch": args.decode_batch, "offload_min_pages": args.offload_min_pages,
         "decode_pack": args.decode_pack, "decode_spread_cores": args.spread_cores,
-        "index_shards": args.index_shards,
+        "index_shards": args.index_shards, "lend_cores": args.lend_cores,
         "load_average": load,
         "machine": {"cpus": os.cpu_count(),
                                              "python": platform.python_version()},

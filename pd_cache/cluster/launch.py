@@ -52,7 +52,8 @@ def launch(config: ClusterConfig, name: str | None, secret: bytes | None) -> Lau
                               max_restarts=config.storage_restarts, index=index_names)
                if config.with_storage else [])
     shard_names = [ShardName(f"{shards}-{i}", NAMESPACE) for i in range(len(storage))]
-    opts = {"threads": config.threads, "num_cpus": config.actor_cpus,
+    opts = {"threads": config.threads, "lend_cores": config.lend_cores,
+            "num_cpus": config.actor_cpus,
             "keyring": keyring,
             "storage_timeout_s": config.storage_timeout_s,
             "max_restarts": config.worker_restarts, "index": index_names}

@@ -28,6 +28,7 @@ from pd_cache.core.request import Req
 from pd_cache.core.sealing import Keyring, KeyState
 from pd_cache.core.wire import DecodeInfo, PrefillInfo
 from pd_cache.worker import key_state
+from pd_cache.worker.cores import CoreLedger, Cores
 from pd_cache.worker.outputs import Answered, PrefillResult
 from pd_cache.worker.workers import DecodeWorker, PrefillWorker
 
@@ -36,8 +37,12 @@ log = logging.getLogger(__name__)
 # NOTE: PYTHONMALLOC: the HTTP front runs with glibc's malloc (deployments/serve_config.yaml:
 # a burst's memory can then be trimmed); the workers keep CPython's own allocator, with which
 # their speed is measured (an actor's runtime_env wins over the env it inherits).
+# OMP_WAIT_POLICY: a forward's extra threads sleep between parallel regions instead of
+# spinning; a forward that borrowed a core (worker.cores) and lost it to another worker
+# would otherwise burn it (zero-reuse TTFT at 4 req/s 0.74x of no lending with it, 1.31x
+# without: benchmarks/bench_cores.py).
 ACTOR_ENV = {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1", "OMP_NUM_THREADS": "1",
-             "PYTHONMALLOC": "pymalloc"}
+             "OMP_WAIT_POLICY": "PASSIVE", "PYTHONMALLOC": "pymalloc"}
 DECODE_CONCURRENCY = 64   # decode calls one batching actor takes in at once
 RESERVE_WAIT_S = 2.0      # how long a computed prompt waits for decode's reservation
 ActorOptions = dict[str, Any]
@@ -106,6 +111,13 @@ class _Hosted:
         cache = self.engine.cache
         self.events = publish_events(f"{self.role}-{self.worker_id}", cache, cache.held, index)
 
+    def _lend(self, threads: int, lend: bool) -> None:
+        """With ``lend``, a prompt's forward borrows the cores the node's other workers
+        leave idle (``worker.cores``); else every forward keeps ``threads``."""
+        node = ray.get_runtime_context().get_node_id()
+        ledger = CoreLedger.open(node, base=threads) if lend else None
+        self.engine.cores = Cores(ledger, self.engine.stats, self.engine.model.blocks)
+
     def _saw(self, req: Req) -> None:
         self._seeds.setdefault(req.tenant, set()).add(req.namespace_seed(self.algo))
 
@@ -133,10 +145,11 @@ class PrefillActor(_Hosted, PrefillWorker):
     def __init__(self, config: PDCacheConfig, worker_id: int, storage_handles: Sequence[Any],
                  threads: int = 1, storage_timeout_s: float | None = 10.0,
                  keyring: Keyring | None = None, index: Sequence[Any] = (),
-                 hold_s: float = 0.0) -> None:
+                 hold_s: float = 0.0, lend_cores: bool = False) -> None:
         super().__init__(config, worker_id=worker_id, **_in_process(
             config, storage_handles, threads, storage_timeout_s, self._host(keyring)))
         self.algo, self.hold_s = config.cache.hash_algo, hold_s
+        self._lend(threads, lend_cores)
         self._publish(index)
 
     @ray.method(num_returns=3)
@@ -192,10 +205,11 @@ class DecodeActor(_Hosted, DecodeWorker):
     def __init__(self, config: PDCacheConfig, worker_id: int, storage_handles: Sequence[Any],
                  threads: int = 1, storage_timeout_s: float | None = 10.0,
                  max_batch: int = 1, keyring: Keyring | None = None,
-                 index: Sequence[Any] = ()) -> None:
+                 index: Sequence[Any] = (), lend_cores: bool = False) -> None:
         super().__init__(config, worker_id=worker_id, max_batch=max_batch, **_in_process(
             config, storage_handles, threads, storage_timeout_s, self._host(keyring)))
         self.algo = config.cache.hash_algo
+        self._lend(threads, lend_cores)
         self._publish(index)
 
     def decode_handoff(self, req: Req, info: PrefillInfo, handoff: list[Any]) -> DecodeInfo:
@@ -248,7 +262,7 @@ def prefill_actor(config: PDCacheConfig, worker_id: int, storage_handles: Sequen
                   *, threads: int = 1, num_cpus: float = 0, max_restarts: int = 0,
                   storage_timeout_s: float | None = 10.0, keyring: Keyring | None = None,
                   actor: ActorOptions | None = None, index: Sequence[Any] = (),
-                  hold_s: float = 0.0) -> Any:
+                  hold_s: float = 0.0, lend_cores: bool = False) -> Any:
     """A ``PrefillActor`` handle; ``prefill.remote(req)`` returns ``(info_ref, pages_ref,
     states_ref)`` (states: a hybrid prompt's, ``None`` when plain); ``prefill_stream``
     streams the same three, the info first (what the router uses).
@@ -261,24 +275,25 @@ def prefill_actor(config: PDCacheConfig, worker_id: int, storage_handles: Sequen
     L3 keys (every worker of a cluster needs the same; ``None``: this worker's own).
     ``index``: the page index's shards (``ShardName``), told of every page in L1 and L2.
     ``hold_s``: how long ``prefill_stream`` waits between its answer and the KV
-    (``ClusterConfig.prefill_hold_s``)."""
+    (``ClusterConfig.prefill_hold_s``). ``lend_cores``: a prompt's forward borrows the
+    node's idle cores (``pd_cache.worker.cores``)."""
     return _remote(PrefillActor).options(**_options(num_cpus, max_restarts, 1, actor)).remote(
         config, worker_id, list(storage_handles), threads, storage_timeout_s, keyring,
-        list(index), hold_s)
+        list(index), hold_s, lend_cores)
 
 
 def decode_actor(config: PDCacheConfig, worker_id: int, storage_handles: Sequence[Any] = (),
                  *, threads: int = 1, num_cpus: float = 0, max_restarts: int = 0,
                  storage_timeout_s: float | None = 10.0, max_batch: int = 1,
                  keyring: Keyring | None = None, actor: ActorOptions | None = None,
-                 index: Sequence[Any] = ()) -> Any:
+                 index: Sequence[Any] = (), lend_cores: bool = False) -> Any:
     """A ``DecodeActor`` handle; ``decode_handoff.remote(req, info, [pages_ref,
     states_ref])`` -> ``DecodeInfo`` (``[pages_ref]`` alone for a plain model).
 
     ``max_batch > 1``: up to that many requests decode together; the actor then takes
     more calls at once than it batches (the rest wait in the batcher's queue), as it does
     with a decode cache (``reserve`` calls come while it decodes). Restarts, ``keyring``,
-    ``actor`` and ``index`` as for ``prefill_actor``.
+    ``actor``, ``index`` and ``lend_cores`` as for ``prefill_actor``.
     """
     # NOTE: a decode cache answers reservations while a decode call is running.
     serial = max_batch == 1 and not config.cache.decode_cache
@@ -286,4 +301,4 @@ def decode_actor(config: PDCacheConfig, worker_id: int, storage_handles: Sequenc
     options = _options(num_cpus, max_restarts, concurrency, actor)
     return _remote(DecodeActor).options(**options).remote(
         config, worker_id, list(storage_handles), threads, storage_timeout_s, max_batch,
-        keyring, list(index))
+        keyring, list(index), lend_cores)

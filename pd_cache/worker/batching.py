@@ -130,6 +130,8 @@ class DecodeBatcher:
         active: Active = []
         stopping = False
         while active or not stopping:
+            if not active:
+                self.engine.cores.idle()   # its core is lent again until a job comes
             stopping = self._start_waiting(active, block=not active) or stopping
             if not active:
                 continue

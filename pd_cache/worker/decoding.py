@@ -31,6 +31,7 @@ from pd_cache.kv.state import checkpoints
 from pd_cache.model.model import Model, sample
 from pd_cache.model.model import check_state as check_model_state
 from pd_cache.tiering.offload import DecodeOffloadManager
+from pd_cache.worker.cores import Cores
 from pd_cache.worker.outputs import DecodeSeq, PromptState
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class Decoding:
     offload: DecodeOffloadManager | None
     layout: KVLayout
     keeper: Keeper | None = None
+    cores: Cores
 
     def _check_request(self, req: Req) -> None:
         req.check_model(vocab_size=self.config.model.vocab_size,
@@ -60,7 +62,9 @@ class Decoding:
         self._check_request(req)
         full = len(req.input_ids) // self.page_size
         at = checkpoints(0, full - 1, self.state_every) if self.layout.has_state else []
-        out = self.model(req.input_ids, None, state_at=[(i + 1) * self.page_size for i in at])
+        with self.cores.forward(len(req.input_ids)):
+            out = self.model(req.input_ids, None,
+                             state_at=[(i + 1) * self.page_size for i in at])
         state = None if out.state is None else PromptState(out.state, dict(zip(at, out.states)))
         return (kv_to_pages(out.kv, self.page_size), sample(out.logits[-1], req.sampling, 0),
                 state)
@@ -81,9 +85,12 @@ class Decoding:
         """
         seq = self.start_decode(req, prompt_kv_pages, num_prompt_tokens, first_token, state,
                                 names, l3_pages)
-        while not seq.done:
-            req.check_deadline("decode")
-            self.decode_step([seq])
+        try:
+            while not seq.done:
+                req.check_deadline("decode")
+                self.decode_step([seq])
+        finally:
+            self.cores.idle()
         return self.finish_decode(seq)
 
     def start_decode(self, req: Req, prompt_kv_pages: torch.Tensor, num_prompt_tokens: int,
@@ -136,8 +143,10 @@ class Decoding:
         if not live:
             return
         states = [s.recurrent for s in live] if self.layout.has_state else None
-        logits = self.model.decode_step([s.tokens[-1] for s in live], [s.buf for s in live],
-                                        [s.pos for s in live], states)
+        with self.cores.step():
+            logits = self.model.decode_step([s.tokens[-1] for s in live],
+                                            [s.buf for s in live], [s.pos for s in live],
+                                            states)
         self.stats.count(DECODE, "step")
         self.stats.count(DECODE, "token", len(live))
         for seq, row in zip(live, logits):

@@ -48,6 +48,7 @@ from pd_cache.model.model import sample
 from pd_cache.storage.base import StorageBackend
 from pd_cache.tiering.controller import CacheController, StoredPages
 from pd_cache.tiering.offload import DecodeOffloadManager
+from pd_cache.worker.cores import Cores
 from pd_cache.worker.decoding import Decoding
 from pd_cache.worker.outputs import Answered, PrefillOutput, PromptState, Result
 
@@ -66,15 +67,17 @@ class LocalEngine(Decoding):
     in host slots, so L3 reads need ``cache.host_pages > 0``. ``offload_stride`` (tokens)
     is how often decode backs up generated pages; ``storage_timeout_s`` bounds any wait on
     an asynchronous backend. ``metrics`` (optional) records L3 prefetches and writes where the
-    tiering layer makes them.
+    tiering layer makes them. ``cores``: what each forward runs on (``worker.cores``; default:
+    the process's torch threads, unchanged).
     """
 
     def __init__(self, config: PDCacheConfig | None = None, *,
                  storage: StorageBackend | None = None, device: torch.device | str = "cpu",
                  offload_stride: int | None = None,
                  storage_timeout_s: float = 30.0,
-                 metrics: PDCacheMetrics | None = None) -> None:
+                 metrics: PDCacheMetrics | None = None, cores: Cores | None = None) -> None:
         self.config = config if config is not None else PDCacheConfig()
+        self.cores = cores or Cores()
         # NOTE: config.layout, once pinned weights (if any) are checked to be this model's.
         self.layout = model_layout(self.config)
         self.page_size = self.config.cache.page_size
@@ -176,8 +179,9 @@ class LocalEngine(Decoding):
         self.cache.load_back(match, self.cache.read_pages(match, out=pages[:local]))
         pages[local:done].copy_(stored.pages)
         prefix_kv = pages_to_kv(pages[:done], num_cached, self.layout)
-        out = self.model(req.input_ids[num_cached:], prefix_kv, state=known.get(done - 1),
-                         state_at=self._state_at(done, key.num_pages))
+        with self.cores.forward(len(req.input_ids) - num_cached):
+            out = self.model(req.input_ids[num_cached:], prefix_kv, state=known.get(done - 1),
+                             state_at=self._state_at(done, key.num_pages))
         kv_to_pages(out.kv, self.page_size, out=pages[done:])
         kept = {} if out.states is None else dict(zip(
             checkpoints(done, key.num_pages - 1, self.state_every), out.states))

@@ -19,6 +19,7 @@ from pd_cache.app.bench.workloads import Workload
 from pd_cache.core.request import Req
 from pd_cache.core.wire import Completion
 from pd_cache.model.model import Model, reference_generate
+from pd_cache.worker.cores import held
 
 _ids = itertools.count()
 
@@ -73,13 +74,24 @@ def check_answers(model: Model, workload: Workload, run: RunOutput) -> None:
 
 
 def assert_idle(cluster: Any, pools: Collection[str] = ()) -> None:
-    """No worker holds a lock, every slot belongs to the cache; ``pools`` must be reported
-    (a hybrid model's ``state``)."""
+    """No worker holds a lock, every slot belongs to the cache, no live worker holds a core
+    in its node's ledger; ``pools`` must be reported (a hybrid model's ``state``)."""
     for state in cluster.states():
         assert state.locks == 0, state
         assert set(pools) <= set(state.pool_usage), state
         owners = {o for pool in state.pool_usage.values() for o in pool}
         assert owners <= {"radix"}, state   # every request's own slots were released
+    assert_cores_idle()
+
+
+def assert_cores_idle(timeout_s: float = 5.0) -> None:
+    """Every forward gave back the cores it took and every decode worker whose batch
+    emptied is idle (``worker.cores``; a killed worker's slot does not count). A decode
+    worker marks itself idle just after its last answer is sent: a short wait for it."""
+    deadline = time.monotonic() + timeout_s
+    while any(busy := {n: h for n, h in held().items() if h}) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not busy, f"cores still held by idle workers: {busy}"
 
 
 def stream_killing_decode(cluster: Any, req: Req, after: int = 6

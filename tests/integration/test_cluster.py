@@ -14,6 +14,7 @@ from pd_cache.core.cluster_config import ClusterConfig
 from pd_cache.core.request import Req
 from pd_cache.core.wire import Completion
 from pd_cache.model.model import Model
+from pd_cache.worker.cores import LEND_MIN_TOKENS, node_cores
 from tests.integration import clusters
 from tests.integration.clusters import (
     assert_idle,
@@ -199,6 +200,28 @@ def test_bad_requests_fail_alone(cluster: PDCluster, model: Model) -> None:
         assert out.output_ids == expected(model, r)
     with pytest.raises(ValueError, match="prefill_worker"):
         cluster.generate(req(tokens(5, 5)), prefill_worker=9)
+    assert_idle(cluster)
+
+
+def test_a_lone_long_prompt_borrows_the_idle_cores_and_gives_them_back(
+        cluster: PDCluster, model: Model) -> None:
+    """With every other worker of the node idle (their slots in the node's core ledger at
+    0), a long prompt's forward runs on more threads, a short one's does not; both answers
+    are the no-cache ones, and every core is given back after (``assert_idle``)."""
+    if node_cores() < 2:
+        pytest.skip("one core: nothing to lend")
+    assert_idle(cluster)
+
+    def borrowed() -> int:
+        return sum(s.get("cores/borrowed", 0) for s in cluster.engine_stats().values())
+
+    start = borrowed()
+    long = req(tokens(400, LEND_MIN_TOKENS + 40), (None, "lend"), max_new=4)
+    assert cluster.generate(long).output_ids == expected(model, long)
+    assert borrowed() == start + 1
+    short = req(tokens(401, LEND_MIN_TOKENS // 4), (None, "lend"), max_new=4)
+    assert cluster.generate(short).output_ids == expected(model, short)
+    assert borrowed() == start + 1
     assert_idle(cluster)
 
 

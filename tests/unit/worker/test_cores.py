@@ -1,0 +1,159 @@
+"""The node's core ledger (``worker.cores``): real files, real processes as the other
+workers (a sleeping child is a live worker; a reaped one is gone)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from pd_cache.core.stats import Stats
+from pd_cache.worker.cores import (
+    HELD,
+    LEND_MIN_TOKENS,
+    PID,
+    SLOTS,
+    CoreLedger,
+    Cores,
+    node_cores,
+)
+
+
+@pytest.fixture
+def other() -> Iterator[int]:
+    """The pid of a live process standing for another worker of the node."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    yield child.pid
+    child.kill()
+    child.wait()
+
+
+def dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def ledger(tmp_path: Path, pid: int, cores: int = 2) -> CoreLedger:
+    out = CoreLedger.open("node-a", base=1, cores=cores, pid=pid, root=tmp_path)
+    assert out is not None
+    return out
+
+
+def test_a_forward_borrows_only_the_cores_others_leave_idle(tmp_path: Path, other: int) -> None:
+    mine, theirs = ledger(tmp_path, os.getpid(), cores=3), ledger(tmp_path, other, cores=3)
+    assert mine.slot != theirs.slot
+    assert mine.take(borrow=True) == 3        # the node is idle: every core
+    assert theirs.take(borrow=True) == 1      # none left: its own core only
+    assert theirs.table[theirs.slot, HELD] == 1
+    mine.give(3)
+    assert mine.table[mine.slot, HELD] == 0
+    assert theirs.others() == 0
+    n = mine.take(borrow=True)                # the other holds 1 of 3
+    assert n == 2
+    assert mine.take(borrow=True) == 1        # a second forward of one process keeps base
+    mine.give(1)
+    mine.give(n)
+    theirs.give(1)
+    assert mine.take(borrow=False) == 1       # a decode step never borrows
+    mine.give(1)
+
+
+def test_a_busy_decode_worker_holds_its_core_between_steps(tmp_path: Path, other: int) -> None:
+    prefill, decode = ledger(tmp_path, os.getpid()), ledger(tmp_path, other)
+    decode.mark_busy(True)
+    assert prefill.take(borrow=True) == 1
+    prefill.give(1)
+    decode.mark_busy(False)
+    assert prefill.take(borrow=True) == 2
+    prefill.give(2)
+
+
+def test_a_dead_workers_slot_is_idle_and_taken_over(tmp_path: Path) -> None:
+    gone = dead_pid()
+    stale = ledger(tmp_path, gone)
+    stale.take(borrow=True)                   # killed inside a forward: its count stays
+    assert stale.table[stale.slot, HELD] == 2
+    mine = ledger(tmp_path, os.getpid())
+    assert mine.slot == 0 and stale.slot == 0  # the dead process's slot, claimed again
+    assert mine.table[0, PID] == os.getpid() and mine.table[0, HELD] == 0
+    assert mine.take(borrow=True) == 2
+
+
+def test_a_full_ledger_lends_nothing(tmp_path: Path, other: int) -> None:
+    first = ledger(tmp_path, other)
+    first.table[:, PID] = other               # every slot held by a live process
+    assert CoreLedger.open("node-a", pid=os.getpid(), root=tmp_path) is None
+    assert first.table.shape == (SLOTS, 2)
+
+
+def test_bad_arguments_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="node"):
+        CoreLedger.open("../etc", root=tmp_path)
+    with pytest.raises(ValueError, match="base 0"):
+        CoreLedger.open("node-a", base=0, root=tmp_path)
+    assert node_cores() >= 1
+
+
+def test_cores_set_torch_threads_for_one_forward(tmp_path: Path, other: int) -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        stats = Stats()
+        cores = Cores(ledger(tmp_path, os.getpid()), stats)
+        with cores.forward(LEND_MIN_TOKENS) as n:
+            assert n == 2 and torch.get_num_threads() == 2
+        assert torch.get_num_threads() == 1 and stats.get("cores", "borrowed") == 1
+        with cores.forward(LEND_MIN_TOKENS - 1) as n:     # too small to gain from it
+            assert n == 1 and torch.get_num_threads() == 1
+        with cores.step() as n:
+            assert n == 1
+        theirs = ledger(tmp_path, other)
+        assert theirs.take(borrow=True) == 1              # decode is busy until idle()
+        theirs.give(1)
+        cores.idle()
+        assert theirs.take(borrow=True) == 2
+        theirs.give(2)
+        assert stats.get("cores", "borrowed") == 1
+        cores.close()
+        assert theirs.others() == 0
+        with Cores().forward(10_000) as n:                # no ledger: threads unchanged
+            assert n == 1 == torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_borrowing_forward_weighs_the_node_before_each_layer(tmp_path: Path,
+                                                               other: int) -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    layers = [torch.nn.Identity() for _ in range(3)]
+    x = torch.zeros(2)
+    try:
+        stats = Stats()
+        cores, theirs = Cores(ledger(tmp_path, os.getpid()), stats, layers), \
+            ledger(tmp_path, other)
+        with cores.forward(LEND_MIN_TOKENS):
+            layers[0](x)
+            assert torch.get_num_threads() == 2
+            theirs.take(borrow=False)          # another worker starts: its core back
+            layers[1](x)
+            assert torch.get_num_threads() == 1 and cores.ledger is not None
+            assert cores.ledger.table[cores.ledger.slot, HELD] == 1
+            theirs.give(1)
+            layers[2](x)                       # and taken again once it is idle
+            assert torch.get_num_threads() == 2
+        assert torch.get_num_threads() == 1 and theirs.others() == 0
+        assert stats.get("cores", "borrowed") == 1
+        with cores.step():                     # a decode step's layers are not weighed
+            layers[0](x)
+            assert torch.get_num_threads() == 1
+        cores.idle()
+        assert theirs.others() == 0
+    finally:
+        torch.set_num_threads(before)
