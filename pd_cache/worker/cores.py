@@ -27,6 +27,7 @@ import fcntl
 import logging
 import math
 import os
+import stat
 import tempfile
 import threading
 from collections.abc import Iterable, Iterator
@@ -94,14 +95,21 @@ class CoreLedger:
         pid = os.getpid() if pid is None else pid
         path = (root or default_root()) / _file_name(node)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with open(path, "a+b") as f:
+            _own_folder(path.parent)
+            # NOTE: no symlink followed: the folder is in a temp directory others can write.
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            with open(fd, "r+b") as f:
                 fcntl.flock(f, fcntl.LOCK_EX)
-                if os.fstat(f.fileno()).st_size < SLOTS * 16:
-                    f.truncate(SLOTS * 16)
-                table = np.memmap(path, dtype=np.int64, mode="r+", shape=(SLOTS, 2))
-                slot = _claim(table, pid)
-                table.flush()
+                try:
+                    if os.fstat(f.fileno()).st_size < SLOTS * 16:
+                        f.truncate(SLOTS * 16)
+                    table = np.memmap(f, dtype=np.int64, mode="r+", shape=(SLOTS, 2))
+                    slot = _claim(table, pid)
+                    table.flush()
+                finally:
+                    # NOTE: explicitly: the map holds a copy of the descriptor, and with it
+                    # the lock, for as long as it lives.
+                    fcntl.flock(f, fcntl.LOCK_UN)
         except OSError as e:
             log.warning("core ledger %s: %s; forwards keep %d thread(s)", path, e, base)
             return None
@@ -176,6 +184,15 @@ def held(root: Path | None = None) -> dict[str, dict[int, int]]:
 
 def default_root() -> Path:
     return Path(tempfile.gettempdir()) / "pd-cache-cores"
+
+
+def _own_folder(folder: Path) -> None:
+    """``folder`` made if missing (this user's alone), and refused (``OSError``) if it is
+    a symlink or another user's."""
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.lstat(folder)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise OSError(f"{folder} is not a folder of this user's")
 
 
 def _file_name(node: str) -> str:

@@ -92,6 +92,18 @@ def test_a_full_ledger_lends_nothing(tmp_path: Path, other: int) -> None:
     assert first.table.shape == (SLOTS, 2)
 
 
+def test_a_ledger_reached_through_a_symlink_is_refused(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep")
+    (tmp_path / "links").mkdir()
+    (tmp_path / "links" / "node-a.ledger").symlink_to(victim)
+    assert CoreLedger.open("node-a", root=tmp_path / "links") is None
+    (tmp_path / "folder").symlink_to(tmp_path / "links", target_is_directory=True)
+    assert CoreLedger.open("node-b", root=tmp_path / "folder") is None
+    assert victim.read_bytes() == b"keep"                # nothing written through a link
+    assert not (tmp_path / "links" / "node-b.ledger").exists()
+
+
 def test_bad_arguments_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="node"):
         CoreLedger.open("../etc", root=tmp_path)
