@@ -93,9 +93,9 @@ class ClusterConfig:
     balance_threshold: int = _knob(2, "prefix match loses to the least loaded prefill worker "
                                       "beyond this many requests of difference")
     threads: int = _knob(1, "torch threads per worker actor")
-    lend_cores: bool = _knob(True, "a forward borrows the cores the node's other workers "
-                                   "leave idle (more torch threads), and gives them back "
-                                   "when it ends")
+    lend_cores: bool = _knob(True, "a prompt's forward borrows the cores the node's other "
+                                   "workers leave idle (more torch threads), and gives "
+                                   "them back when it ends")
     decode_batch: int = _knob(8, "requests a decode worker steps together")
     prefill_queue_depth: int = _knob(2, "prefill calls a router gives each prefill worker "
                                         "at once; the rest wait, tenants in turn (0: no "

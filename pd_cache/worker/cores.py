@@ -2,16 +2,18 @@
 
 Every worker actor runs its forwards on ``ClusterConfig.threads`` torch threads (1 by
 default), so that the prefill and decode workers of a node do not fight over its cores.
-That leaves cores idle whenever fewer workers than cores have work: one prefill alone, the
-last decode batches of a burst. With lending on, a forward (a prefill, a batched decode
-step) first looks at what the node's other workers hold now and borrows the cores they
-leave idle, up to the node's count, then gives them back when it ends. The next forward
-looks again, so a worker that gets work takes its core back within one forward.
+That leaves cores idle whenever fewer workers than cores have work: a prompt alone on an
+idle node takes as long as on a busy one. With lending on, a prompt's forward (at least
+``LEND_MIN_TOKENS`` new tokens) first looks at what the node's other workers hold now and
+borrows the cores they leave idle, up to the node's count; before each layer it looks
+again, so a worker that gets work meanwhile has its core back within one layer, and gives
+them back when it ends. Decode steps never borrow, and a decode worker holds its core
+from its batch's first step until the batch empties (no prompt borrows it between steps).
 
 The node's ledger is a small file under the temp directory, one slot per worker process:
-its pid and the threads its forward holds (0 between forwards). Reads take no lock: a
-stale read costs one forward a core too many or too few. A slot whose process is gone
-counts as idle, and is taken over by the next worker that starts.
+its pid and the threads it holds (0 while idle). Reads take no lock: a stale read costs a
+forward a core too many or too few for one layer. A slot whose process is gone counts as
+idle, and is taken over by the next worker that starts.
 
 ::
 
@@ -37,6 +39,7 @@ import numpy as np
 import torch
 
 from pd_cache.core.stats import Stats
+from pd_cache.storage.arena import process_alive
 
 log = logging.getLogger(__name__)
 
@@ -61,16 +64,6 @@ def node_cores() -> int:
     return max(1, min(cores, math.ceil(int(quota) / int(period))))
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:    # another user's process: alive
-        return True
-    return True
-
-
 class CoreLedger:
     """This process's slot in its node's ledger (see the module docstring).
 
@@ -79,11 +72,10 @@ class CoreLedger:
     taken by a live process, no writable temp directory): forwards then keep ``base``.
     """
 
-    def __init__(self, table: np.ndarray, slot: int, base: int, cores: int,
-                 pid: int) -> None:
+    def __init__(self, table: np.ndarray, slot: int, base: int, cores: int) -> None:
         if base < 1 or cores < 1:
             raise ValueError(f"CoreLedger: base {base} and cores {cores} must be >= 1")
-        self.table, self.slot, self.base, self.cores, self.pid = table, slot, base, cores, pid
+        self.table, self.slot, self.base, self.cores = table, slot, base, cores
         self._lock = threading.Lock()
         self._running = self._forward = 0
         self._busy = False
@@ -117,13 +109,11 @@ class CoreLedger:
             log.warning("core ledger %s: all %d slots are held; forwards keep %d thread(s)",
                         path, SLOTS, base)
             return None
-        return cls(table, slot, base, node_cores() if cores is None else cores, pid)
+        return cls(table, slot, base, node_cores() if cores is None else cores)
 
     def others(self) -> int:
         """Threads the node's other live workers hold now."""
-        busy = np.nonzero(self.table[:, HELD] > 0)[0]
-        return int(sum(self.table[i, HELD] for i in busy
-                       if i != self.slot and _alive(int(self.table[i, PID]))))
+        return sum(n for slot, _, n in _live_holders(self.table) if slot != self.slot)
 
     def take(self, borrow: bool) -> int:
         """Threads for a forward starting now, held until ``give``: ``base``, or with
@@ -177,8 +167,17 @@ def held(root: Path | None = None) -> dict[str, dict[int, int]]:
     out: dict[str, dict[int, int]] = {}
     for path in sorted((root or default_root()).glob("*.ledger")):
         table = np.fromfile(path, dtype=np.int64)[:SLOTS * 2].reshape(-1, 2)
-        out[path.stem] = {int(pid): int(n) for pid, n in table
-                          if pid and n > 0 and _alive(int(pid))}
+        out[path.stem] = {pid: n for _, pid, n in _live_holders(table)}
+    return out
+
+
+def _live_holders(table: np.ndarray) -> list[tuple[int, int, int]]:
+    """``(slot, pid, threads)`` of each slot holding threads whose process is running."""
+    out = []
+    for i in np.nonzero(table[:, HELD] > 0)[0]:
+        pid, n = int(table[i, PID]), int(table[i, HELD])
+        if process_alive(pid):
+            out.append((int(i), pid, n))
     return out
 
 
@@ -205,7 +204,7 @@ def _claim(table: np.ndarray, pid: int) -> int | None:
     """The first slot that is ``pid``'s already, empty, or of a process that is gone."""
     for i in range(SLOTS):
         owner = int(table[i, PID])
-        if owner in (0, pid) or not _alive(owner):
+        if owner in (0, pid) or not process_alive(owner):
             table[i] = (pid, 0)
             return i
     return None
