@@ -153,11 +153,11 @@ class IndexMirror:
         import ray
 
         pending: dict[Any, int] = {}             # poll in flight -> its shard
-        due = [0.0] * len(self.shards)           # when each shard is polled next
+        due = [0.0] * len(self.shards)           # when each shard is polled next (inf: polled)
         while not self._stop.is_set() and ray.is_initialized():
             now = self.clock()
             for k, shard in enumerate(self.shards):
-                if due[k] <= now and k not in pending.values():
+                if due[k] <= now:
                     copy = self.copies[k]
                     pending[shard.poll.remote(copy.epoch, copy.version, WAIT_S)] = k
                     due[k] = float("inf")
