@@ -11,13 +11,14 @@ them back when it ends. Decode steps never borrow, and a decode worker holds its
 from its batch's first step until the batch empties (no prompt borrows it between steps).
 
 The node's ledger is a small file under the temp directory, one slot per worker process:
-its pid and the threads it holds (0 while idle). Reads take no lock: a stale read costs a
-forward a core too many or too few for one layer. A slot whose process is gone counts as
-idle, and is taken over by the next worker that starts.
+its pid, the threads it holds (0 while idle) and the process's start time. Reads take no
+lock: a stale read costs a forward a core too many or too few for one layer. A slot whose
+process is gone counts as idle, and is taken over by the next worker that starts; so does
+one whose pid now names another process (pids are reused: the start time differs).
 
 ::
 
-    slot:  [ pid | threads held ]      x SLOTS, int64, in <tmp>/pd-cache-cores/<node>
+    slot:  [ pid | threads held | start ]   x SLOTS, int64, in <tmp>/pd-cache-cores/<node>
     free = node cores - sum(held of the other live slots);  a forward takes
     max(base, min(free, node cores))
 """
@@ -44,7 +45,8 @@ from pd_cache.storage.arena import process_alive
 log = logging.getLogger(__name__)
 
 SLOTS = 256
-PID, HELD = 0, 1
+PID, HELD, START = 0, 1, 2    # START: the process's start time, clock ticks after boot
+COLUMNS = 3
 CORES = "cores"    # the stats event of a forward on borrowed cores (``cores/borrowed``)
 # NOTE: below this many new tokens a prompt's forward on the `small` model was no faster on
 # two threads than on one (and a decode step of 8 gained 0-20% for 70% more CPU).
@@ -93,9 +95,9 @@ class CoreLedger:
             with open(fd, "r+b") as f:
                 fcntl.flock(f, fcntl.LOCK_EX)
                 try:
-                    if os.fstat(f.fileno()).st_size < SLOTS * 16:
-                        f.truncate(SLOTS * 16)
-                    table = np.memmap(f, dtype=np.int64, mode="r+", shape=(SLOTS, 2))
+                    if os.fstat(f.fileno()).st_size < SLOTS * COLUMNS * 8:
+                        f.truncate(SLOTS * COLUMNS * 8)
+                    table = np.memmap(f, dtype=np.int64, mode="r+", shape=(SLOTS, COLUMNS))
                     slot = _claim(table, pid)
                     table.flush()
                 finally:
@@ -166,7 +168,10 @@ def held(root: Path | None = None) -> dict[str, dict[int, int]]:
     directory's): ``{node: {pid: threads}}``, idle workers left out."""
     out: dict[str, dict[int, int]] = {}
     for path in sorted((root or default_root()).glob("*.ledger")):
-        table = np.fromfile(path, dtype=np.int64)[:SLOTS * 2].reshape(-1, 2)
+        raw = np.fromfile(path, dtype=np.int64)
+        if raw.size < SLOTS * COLUMNS:   # NOTE: an older layout's file (no start times)
+            continue
+        table = raw[:SLOTS * COLUMNS].reshape(SLOTS, COLUMNS)
         out[path.stem] = {pid: n for _, pid, n in _live_holders(table)}
     return out
 
@@ -176,9 +181,27 @@ def _live_holders(table: np.ndarray) -> list[tuple[int, int, int]]:
     out = []
     for i in np.nonzero(table[:, HELD] > 0)[0]:
         pid, n = int(table[i, PID]), int(table[i, HELD])
-        if process_alive(pid):
+        if _alive(pid, int(table[i, START])):
             out.append((int(i), pid, n))
     return out
+
+
+def process_start(pid: int) -> int:
+    """When process ``pid`` started, in clock ticks after boot (``/proc/<pid>/stat``'s
+    22nd field); 0 where that cannot be read (no such process, no ``/proc``)."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_bytes()
+        # NOTE: the command name (field 2) may hold spaces and parentheses: count the
+        # fields after its closing one (field 3 first).
+        return int(raw[raw.rindex(b")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _alive(pid: int, start: int) -> bool:
+    """Whether the process that took a slot as ``pid`` at ``start`` still runs (0: start
+    unknown, the pid alone decides)."""
+    return process_alive(pid) and (not start or process_start(pid) in (0, start))
 
 
 def default_root() -> Path:
@@ -204,8 +227,8 @@ def _claim(table: np.ndarray, pid: int) -> int | None:
     """The first slot that is ``pid``'s already, empty, or of a process that is gone."""
     for i in range(SLOTS):
         owner = int(table[i, PID])
-        if owner in (0, pid) or not process_alive(owner):
-            table[i] = (pid, 0)
+        if owner in (0, pid) or not _alive(owner, int(table[i, START])):
+            table[i] = (pid, 0, process_start(pid))
             return i
     return None
 

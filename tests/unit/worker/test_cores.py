@@ -14,13 +14,17 @@ import torch
 
 from pd_cache.core.stats import Stats
 from pd_cache.worker.cores import (
+    COLUMNS,
     HELD,
     LEND_MIN_TOKENS,
     PID,
     SLOTS,
+    START,
     CoreLedger,
     Cores,
+    held,
     node_cores,
+    process_start,
 )
 
 
@@ -88,8 +92,39 @@ def test_a_dead_workers_slot_is_idle_and_taken_over(tmp_path: Path) -> None:
 def test_a_full_ledger_lends_nothing(tmp_path: Path, other: int) -> None:
     first = ledger(tmp_path, other)
     first.table[:, PID] = other               # every slot held by a live process
+    first.table[:, START] = process_start(other)
     assert CoreLedger.open("node-a", pid=os.getpid(), root=tmp_path) is None
-    assert first.table.shape == (SLOTS, 2)
+    assert first.table.shape == (SLOTS, COLUMNS)
+
+
+def test_a_slot_whose_pid_names_another_process_now_is_idle(tmp_path: Path,
+                                                             other: int) -> None:
+    """Pids are reused: a slot left holding cores by a killed worker whose pid a new
+    process now has must not count, nor keep its slot."""
+    mine, theirs = ledger(tmp_path, os.getpid()), ledger(tmp_path, other)
+    assert theirs.table[theirs.slot, START] == process_start(other) > 0
+    theirs.take(borrow=False)
+    assert mine.others() == 1 and held(tmp_path) == {"node-a": {other: 1}}
+    theirs.table[theirs.slot, START] -= 1     # as if ``other`` were an older process's pid
+    assert mine.others() == 0 and held(tmp_path) == {"node-a": {}}
+    assert mine.take(borrow=True) == 2
+    mine.give(2)
+    newcomer = ledger(tmp_path, dead_pid())
+    assert newcomer.slot == theirs.slot       # taken over like a dead worker's
+
+
+def test_process_start_times(other: int) -> None:
+    # NOTE: an independent fact: the child was started after this process.
+    assert process_start(other) >= process_start(os.getpid()) > 0
+    assert process_start(dead_pid()) == 0
+
+
+def test_an_older_layouts_ledger_is_left_out(tmp_path: Path, other: int) -> None:
+    (tmp_path / "node-old.ledger").write_bytes(
+        bytes(SLOTS * 16))                    # [pid, held] slots: no start times
+    theirs = ledger(tmp_path, other)
+    theirs.take(borrow=False)
+    assert held(tmp_path) == {"node-a": {other: 1}}
 
 
 def test_a_ledger_reached_through_a_symlink_is_refused(tmp_path: Path) -> None:
