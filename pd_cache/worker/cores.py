@@ -189,8 +189,14 @@ def _live_holders(table: np.ndarray) -> list[tuple[int, int, int]]:
 def process_start(pid: int) -> int:
     """When process ``pid`` started, in clock ticks after boot (``/proc/<pid>/stat``'s
     22nd field); 0 where that cannot be read (no such process, no ``/proc``)."""
+    # NOTE: os.open and os.read (9 us here) rather than Path.read_bytes (27 us): a
+    # borrowing forward reads every live slot's before each layer.
     try:
-        raw = Path(f"/proc/{pid}/stat").read_bytes()
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
+        try:
+            raw = os.read(fd, 1024)
+        finally:
+            os.close(fd)
         # NOTE: the command name (field 2) may hold spaces and parentheses: count the
         # fields after its closing one (field 3 first).
         return int(raw[raw.rindex(b")") + 2:].split()[19])
