@@ -49,7 +49,9 @@ PID, HELD, START = 0, 1, 2    # START: the process's start time, clock ticks aft
 COLUMNS = 3
 CORES = "cores"    # the stats event of a forward on borrowed cores (``cores/borrowed``)
 # NOTE: below this many new tokens a prompt's forward on the `small` model was no faster on
-# two threads than on one (and a decode step of 8 gained 0-20% for 70% more CPU).
+# two threads than on one. Decode steps do not borrow: in a decode loop (a pause between
+# steps) two threads were no faster for 15-22% more CPU, and in the cluster TPOT was
+# 1.15-1.21x longer (docs/benchmarks.md).
 LEND_MIN_TOKENS = 128
 
 
