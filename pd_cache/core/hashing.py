@@ -25,6 +25,7 @@ NAMESPACE_TAG = b"pd-cache/ns/v1\x00"
 MAX_TOKEN = 2**32
 DIGEST_SIZES = {"xxh3_128": 16, "sha256": 32}
 _U32_CODE = next(code for code in "IL" if array.array(code).itemsize == 4)
+_U32_LE = np.dtype("<u4")
 
 
 def _sha256_digest(data: Any) -> bytes:
@@ -97,6 +98,8 @@ def _raise_bad_token(tokens: Sequence[Any]) -> NoReturn:
 
 
 def _from_array(arr: np.ndarray) -> np.ndarray:
+    if arr.dtype == _U32_LE and arr.ndim == 1 and arr.flags.c_contiguous:
+        return arr   # already a token buffer (a record's page, hashed again to check it)
     if arr.ndim != 1:
         raise ValueError(f"tokens: expected a 1-D array, got shape {tuple(arr.shape)}")
     if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):

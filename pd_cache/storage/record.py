@@ -122,8 +122,9 @@ def typed(raw: torch.Tensor, entry: PoolEntry, sealed: bool = False) -> torch.Te
 
 def as_bytes(tensor: torch.Tensor) -> np.ndarray:
     """The tensor's bytes as a flat ``uint8`` numpy view (a copy only if not contiguous)."""
-    flat = tensor.detach().cpu().contiguous().reshape(-1)
-    return flat.view(torch.uint8).numpy()
+    if tensor.requires_grad or tensor.device.type != "cpu" or not tensor.is_contiguous():
+        tensor = tensor.detach().cpu().contiguous()
+    return tensor.reshape(-1).view(torch.uint8).numpy()
 
 
 def checksum(tensor: torch.Tensor) -> int:

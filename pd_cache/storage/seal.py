@@ -21,6 +21,7 @@ measures faster).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import struct
@@ -89,12 +90,16 @@ class Sealer:
         self._lock = threading.Lock()
         self._prefix, self._count = os.urandom(8), 0
 
-    def _nonce(self) -> bytes:
+    def _nonces(self, n: int) -> tuple[bytes, ...]:
+        """``n`` nonces never handed out before by this sealer."""
         with self._lock:
-            if self._count == 0xFFFFFFFF:
-                self._prefix, self._count = os.urandom(8), 0
-            self._count += 1
-            return self._prefix + _COUNTER.pack(self._count)
+            nonces = []
+            for _ in range(n):
+                if self._count == 0xFFFFFFFF:
+                    self._prefix, self._count = os.urandom(8), 0
+                self._count += 1
+                nonces.append(self._prefix + _COUNTER.pack(self._count))
+            return tuple(nonces)
 
     def seal(self, record: PageRecord, tenant: str,
              out: torch.Tensor | None = None) -> PageRecord:
@@ -102,14 +107,14 @@ class Sealer:
         ``out`` (``uint8[sealed_nbytes(record)]``) when given, else new memory."""
         if not self.enabled:
             return record
-        key = self.keyring.current(tenant)
-        nonces = tuple(self._nonce() for _ in record.payloads)
+        key, payloads = self.keyring.current(tenant), record.payloads
+        nonces = self._nonces(len(payloads))
         seal = Seal(key.version, key.epoch, self.keyring.owner(tenant), nonces)
         header = msgspec.structs.replace(record.header, seal=seal)
         aad, secret = encode_header(header), self.keyring.key(tenant, key)
-        outs = _split(out, [stored_nbytes(e, True) for e in record.header.pools])
+        outs = _split(out, [t.nbytes + TAG_BYTES for t in payloads])
         return PageRecord(header, tuple(seal_into(self.aead, secret, n, as_bytes(t), aad, o)
-                                        for n, t, o in zip(nonces, record.payloads, outs)))
+                                        for n, t, o in zip(nonces, payloads, outs)))
 
     def check(self, record: PageRecord, tenant: str) -> Opened:
         """Whether ``tenant`` may open ``record`` (its header alone: no bytes read yet)."""
@@ -158,14 +163,14 @@ class Sealer:
 
 def sealed_nbytes(record: PageRecord) -> int:
     """Bytes of ``record``'s payloads once sealed (each with its tag)."""
-    return sum(t.numel() * t.element_size() + TAG_BYTES for t in record.payloads)
+    return sum(t.nbytes + TAG_BYTES for t in record.payloads)
 
 
 def _split(out: torch.Tensor | None, sizes: list[int]) -> list[torch.Tensor | None]:
     """``out`` cut into consecutive pieces of ``sizes`` bytes (``None`` each if no ``out``)."""
     if out is None:
         return [None] * len(sizes)
-    ends = np.cumsum([0, *sizes]).tolist()
+    ends = list(itertools.accumulate(sizes, initial=0))
     return [out[lo:hi] for lo, hi in zip(ends, ends[1:])]
 
 

@@ -155,6 +155,19 @@ def test_each_aead_is_the_standard_one_over_payload_and_header(aead: str) -> Non
     assert opened.header == msgspec.structs.replace(rec.header, seal=None)
 
 
+def test_no_nonce_repeats_under_a_key_across_payloads_and_the_counter_wrap() -> None:
+    """Every payload of every record gets a nonce of its own: a record of two pools takes
+    two, and the counter's wrap moves to a new random prefix instead of starting over."""
+    chain = Chain(layout_for(), 1)
+    two = chain.record(0, {"kv": chain.records[0].payload(), "state": torch.ones(4)})
+    sealer = Sealer(Keyring(SECRET))
+    sealer._count = 0xFFFFFFFF - 3   # a few nonces before the counter wraps
+    seen = [n for _ in range(4) for n in sealer.seal(two, "t").header.seal.nonces]
+    assert len(seen) == 8 and len(set(seen)) == 8
+    assert all(len(n) == 12 for n in seen)
+    assert len({n[:8] for n in seen}) == 2   # the prefix changed once, at the wrap
+
+
 @pytest.mark.parametrize("seal", [True, False])
 def test_pages_land_straight_in_the_slots_they_are_read_for(tmp_path: Path, seal: bool,
                                                             monkeypatch: pytest.MonkeyPatch
