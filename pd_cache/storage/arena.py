@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from pd_cache.core.fields import check_int_at_least
+from pd_cache.core.procs import process_alive, process_start
 
 MAGIC = b"pdarena1"
 WORDS_AT = 64
@@ -73,6 +74,7 @@ class ArenaInfo(msgspec.Struct, frozen=True, gc=False):
     node: str
     slots: int
     slot_bytes: int
+    start: int = 0   # the shard process's start (``process_start``): its pid may be reused
 
     @property
     def data_at(self) -> int:
@@ -100,7 +102,7 @@ class Arena:
         check_int_at_least("slot_bytes", slot_bytes, 1)
         check_int_at_least("slots", slots, 1)
         info = ArenaInfo(os.urandom(16), os.getpid(), -1, this_node(), slots,
-                         -(-slot_bytes // ALIGN) * ALIGN)
+                         -(-slot_bytes // ALIGN) * ALIGN, process_start(os.getpid()))
         fd = os.memfd_create("pd-cache-arena", os.MFD_CLOEXEC)
         os.ftruncate(fd, info.size)
         mm = mmap.mmap(fd, info.size)
@@ -140,6 +142,12 @@ class Arena:
             self._mm.madvise(MADV_POPULATE_WRITE, start, lo + self.info.slot_bytes - start)
         except (OSError, ValueError):
             pass   # an older kernel: the writes fault the pages in
+
+    @property
+    def alive(self) -> bool:
+        """Whether its shard still runs: this process (it owns the memfd), or the process
+        that made it, not a later one that got its pid."""
+        return self._fd is not None or process_alive(self.info.pid, self.info.start)
 
     def word(self, slot: int) -> int:
         return int(self._words[slot])
@@ -235,10 +243,9 @@ def attached(info: ArenaInfo) -> Arena | None:
     shard is dead (its records are no longer the store's: never served)."""
     with _LOCK:
         arena = _OPEN.get(info.id)
-    if arena is not None and (arena._fd is not None or process_alive(info.pid)):
+    if arena is not None and arena.alive:
         return arena
-    for stale in [a for a in list(_OPEN.values())
-                  if a._fd is None and not process_alive(a.info.pid)]:
+    for stale in [a for a in list(_OPEN.values()) if not a.alive]:
         stale.close()
     try:
         return _remember(Arena.attach(info))
@@ -256,14 +263,3 @@ def forget(ids: Sequence[bytes]) -> None:
     """Unmap the arenas ``ids`` (a shard answered with a new one: it restarted)."""
     for arena in [a for a in list(_OPEN.values()) if a.info.id in ids and a._fd is None]:
         arena.close()
-
-
-def process_alive(pid: int) -> bool:
-    """Whether process ``pid`` of this machine is running (a shard's, to trust its slots)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

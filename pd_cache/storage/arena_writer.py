@@ -29,7 +29,6 @@ from pd_cache.storage.arena import (
     ArenaInfo,
     attached,
     forget,
-    process_alive,
     this_node,
 )
 from pd_cache.storage.arena_record import ArenaRecord, Where
@@ -145,7 +144,7 @@ class ArenaWriter:
         arena, leases = self._arenas.get(shard), self._leases.get(shard)
         if arena is None or leases is None:
             return ks
-        if not process_alive(arena.info.pid):   # NOTE: the shard died: its slots are nobody's
+        if not arena.alive:   # NOTE: the shard died: its slots are nobody's
             leases.clear()
             return ks
         fit = [k for k in ks if 0 < sizes[k] <= arena.info.slot_bytes]

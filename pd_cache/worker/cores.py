@@ -39,8 +39,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pd_cache.core.procs import process_alive, process_start
 from pd_cache.core.stats import Stats
-from pd_cache.storage.arena import process_alive
 
 log = logging.getLogger(__name__)
 
@@ -183,33 +183,9 @@ def _live_holders(table: np.ndarray) -> list[tuple[int, int, int]]:
     out = []
     for i in np.nonzero(table[:, HELD] > 0)[0]:
         pid, n = int(table[i, PID]), int(table[i, HELD])
-        if _alive(pid, int(table[i, START])):
+        if process_alive(pid, int(table[i, START])):
             out.append((int(i), pid, n))
     return out
-
-
-def process_start(pid: int) -> int:
-    """When process ``pid`` started, in clock ticks after boot (``/proc/<pid>/stat``'s
-    22nd field); 0 where that cannot be read (no such process, no ``/proc``)."""
-    # NOTE: os.open and os.read (9 us here) rather than Path.read_bytes (27 us): a
-    # borrowing forward reads every live slot's before each layer.
-    try:
-        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
-        try:
-            raw = os.read(fd, 1024)
-        finally:
-            os.close(fd)
-        # NOTE: the command name (field 2) may hold spaces and parentheses: count the
-        # fields after its closing one (field 3 first).
-        return int(raw[raw.rindex(b")") + 2:].split()[19])
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def _alive(pid: int, start: int) -> bool:
-    """Whether the process that took a slot as ``pid`` at ``start`` still runs (0: start
-    unknown, the pid alone decides)."""
-    return process_alive(pid) and (not start or process_start(pid) in (0, start))
 
 
 def default_root() -> Path:
@@ -235,7 +211,7 @@ def _claim(table: np.ndarray, pid: int) -> int | None:
     """The first slot that is ``pid``'s already, empty, or of a process that is gone."""
     for i in range(SLOTS):
         owner = int(table[i, PID])
-        if owner in (0, pid) or not _alive(owner, int(table[i, START])):
+        if owner in (0, pid) or not process_alive(owner, int(table[i, START])):
             table[i] = (pid, 0, process_start(pid))
             return i
     return None

@@ -1,17 +1,19 @@
 """Arena slots leased ahead of need: a grant call gives spare slots from the free ones only;
 a writer takes a set's slots from its lease when it holds one for every page (no call),
-all or none, never past half the shard's lease, and never from a shard that died."""
+all or none, never past half the shard's lease, and never from a shard that died (its
+pid gone, or taken by a later process)."""
 
 from __future__ import annotations
 
-import subprocess
-import types
+import os
 
 import msgspec
 
+from pd_cache.core.procs import process_start
 from pd_cache.storage.arena import LEASE_S, Arena, this_node
 from pd_cache.storage.arena_backend import ArenaBackend, slot_bytes
 from pd_cache.storage.arena_writer import ArenaWriter, Leases, Slotted
+from tests.unit.processes import dead_pid, live_child
 from tests.unit.storage.records import layout_for
 
 
@@ -53,11 +55,23 @@ def test_a_writer_sets_from_its_lease_and_forgets_a_dead_shards() -> None:
     assert writer._leased(0, [0, 1], [100, 100], out, now=1.0) == [0, 1]   # 1 left: ask
     assert out == [None, None] and len(writer._leases[0]) == 1
     assert writer._leased(1, [5], [100], out, now=1.0) == [5]          # no lease there
-    # the shard's process is gone: its slots are nobody's, the lease is dropped
-    gone = subprocess.Popen(["true"])
-    gone.wait()
-    writer._arenas[0] = types.SimpleNamespace(
-        info=msgspec.structs.replace(arena.info, pid=gone.pid))
+    with live_child() as pid:
+        # another process's arena (a mapping with no memfd of its own), its shard running
+        shard = Arena(msgspec.structs.replace(arena.info, pid=pid, start=process_start(pid)),
+                      arena._mm)
+        writer._arenas[0] = shard
+        assert shard.alive and writer._leased(0, [0], [100], [None], now=1.0) == []
+        # the shard died and a later process got its pid: its slots are nobody's
+        writer._leases[0].add([(4, 14)], asked_at=0.0)
+        writer._arenas[0] = Arena(msgspec.structs.replace(shard.info, start=shard.info.start - 1),
+                                  arena._mm)
+        assert writer._leased(0, [0], [100], [None], now=1.0) == [0]
+        assert len(writer._leases[0]) == 0
+    # the shard's process is gone and its pid free: the same
+    writer._leases[0].add([(5, 15)], asked_at=0.0)
+    writer._arenas[0] = Arena(msgspec.structs.replace(shard.info, pid=dead_pid(), start=0),
+                              arena._mm)
     assert writer._leased(0, [0], [100], [None], now=1.0) == [0]
     assert len(writer._leases[0]) == 0
+    assert arena.alive and arena.info.start == process_start(os.getpid()) > 0   # its own
     arena.close()

@@ -4,14 +4,13 @@ workers (a sleeping child is a live worker; a reaped one is gone)."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from pd_cache.core.procs import process_start
 from pd_cache.core.stats import Stats
 from pd_cache.worker.cores import (
     COLUMNS,
@@ -24,23 +23,15 @@ from pd_cache.worker.cores import (
     Cores,
     held,
     node_cores,
-    process_start,
 )
+from tests.unit.processes import dead_pid, live_child
 
 
 @pytest.fixture
 def other() -> Iterator[int]:
     """The pid of a live process standing for another worker of the node."""
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    yield child.pid
-    child.kill()
-    child.wait()
-
-
-def dead_pid() -> int:
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
-    child.wait()
-    return child.pid
+    with live_child() as pid:
+        yield pid
 
 
 def ledger(tmp_path: Path, pid: int, cores: int = 2) -> CoreLedger:
@@ -111,12 +102,6 @@ def test_a_slot_whose_pid_names_another_process_now_is_idle(tmp_path: Path,
     mine.give(2)
     newcomer = ledger(tmp_path, dead_pid())
     assert newcomer.slot == theirs.slot       # taken over like a dead worker's
-
-
-def test_process_start_times(other: int) -> None:
-    # NOTE: an independent fact: the child was started after this process.
-    assert process_start(other) >= process_start(os.getpid()) > 0
-    assert process_start(dead_pid()) == 0
 
 
 def test_an_older_layouts_ledger_is_left_out(tmp_path: Path, other: int) -> None:
