@@ -10,15 +10,14 @@ again, so a worker that gets work meanwhile has its core back within one layer, 
 them back when it ends. Decode steps never borrow, and a decode worker holds its core
 from its batch's first step until the batch empties (no prompt borrows it between steps).
 
-The node's ledger is a small file under the temp directory, one slot per worker process:
-its pid, the threads it holds (0 while idle) and the process's start time. Reads take no
-lock: a stale read costs a forward a core too many or too few for one layer. A slot whose
-process is gone counts as idle, and is taken over by the next worker that starts; so does
-one whose pid now names another process (pids are reused: the start time differs).
+The node's ledger (``worker.ledger``) is a small file under the temp directory, one slot
+per worker process: its pid, the threads it holds (0 while idle) and the process's start
+time. Reads take no lock: a stale read costs a forward a core too many or too few for one
+layer. A slot whose process is gone counts as idle, and is taken over by the next worker
+that starts; so does one whose pid now names another process (pids are reused).
 
 ::
 
-    slot:  [ pid | threads held | start ]   x SLOTS, int64, in <tmp>/pd-cache-cores/<node>
     free = node cores - sum(held of the other live slots);  a forward takes
     max(base, min(free, node cores))
 """
@@ -26,12 +25,9 @@ one whose pid now names another process (pids are reused: the start time differs
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import math
 import os
-import stat
-import tempfile
 import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -39,14 +35,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pd_cache.core.procs import process_alive, process_start
 from pd_cache.core.stats import Stats
+from pd_cache.worker.ledger import (
+    HELD,
+    SLOTS,
+    default_root,
+    file_name,
+    live_holders,
+    open_and_claim,
+    own_folder,
+    sweep,
+)
 
 log = logging.getLogger(__name__)
 
-SLOTS = 256
-PID, HELD, START = 0, 1, 2    # START: the process's start time, clock ticks after boot
-COLUMNS = 3
 CORES = "cores"    # the stats event of a forward on borrowed cores (``cores/borrowed``)
 # NOTE: below this many new tokens a prompt's forward on the `small` model was no faster on
 # two threads than on one. Decode steps do not borrow: in a decode loop (a pause between
@@ -89,23 +91,11 @@ class CoreLedger:
              pid: int | None = None, root: Path | None = None) -> CoreLedger | None:
         """Claim a slot in ``node``'s ledger (created if missing) for process ``pid``."""
         pid = os.getpid() if pid is None else pid
-        path = (root or default_root()) / _file_name(node)
+        path = (root or default_root()) / file_name(node)
         try:
-            _own_folder(path.parent)
-            # NOTE: no symlink followed: the folder is in a temp directory others can write.
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-            with open(fd, "r+b") as f:
-                fcntl.flock(f, fcntl.LOCK_EX)
-                try:
-                    if os.fstat(f.fileno()).st_size < SLOTS * COLUMNS * 8:
-                        f.truncate(SLOTS * COLUMNS * 8)
-                    table = np.memmap(f, dtype=np.int64, mode="r+", shape=(SLOTS, COLUMNS))
-                    slot = _claim(table, pid)
-                    table.flush()
-                finally:
-                    # NOTE: explicitly: the map holds a copy of the descriptor, and with it
-                    # the lock, for as long as it lives.
-                    fcntl.flock(f, fcntl.LOCK_UN)
+            own_folder(path.parent)
+            table, slot = open_and_claim(path, pid)
+            sweep(path.parent, keep=path)
         except OSError as e:
             log.warning("core ledger %s: %s; forwards keep %d thread(s)", path, e, base)
             return None
@@ -117,7 +107,7 @@ class CoreLedger:
 
     def others(self) -> int:
         """Threads the node's other live workers hold now."""
-        return sum(n for slot, _, n in _live_holders(self.table) if slot != self.slot)
+        return sum(n for slot, _, n in live_holders(self.table) if slot != self.slot)
 
     def take(self, borrow: bool) -> int:
         """Threads for a forward starting now, held until ``give``: ``base``, or with
@@ -163,58 +153,6 @@ class CoreLedger:
     def close(self) -> None:
         """Leave the slot (a later worker may take it)."""
         self.table[self.slot] = 0
-
-
-def held(root: Path | None = None) -> dict[str, dict[int, int]]:
-    """What the live workers hold now, by node ledger under ``root`` (default: the temp
-    directory's): ``{node: {pid: threads}}``, idle workers left out."""
-    out: dict[str, dict[int, int]] = {}
-    for path in sorted((root or default_root()).glob("*.ledger")):
-        raw = np.fromfile(path, dtype=np.int64)
-        if raw.size < SLOTS * COLUMNS:   # NOTE: an older layout's file (no start times)
-            continue
-        table = raw[:SLOTS * COLUMNS].reshape(SLOTS, COLUMNS)
-        out[path.stem] = {pid: n for _, pid, n in _live_holders(table)}
-    return out
-
-
-def _live_holders(table: np.ndarray) -> list[tuple[int, int, int]]:
-    """``(slot, pid, threads)`` of each slot holding threads whose process is running."""
-    out = []
-    for i in np.nonzero(table[:, HELD] > 0)[0]:
-        pid, n = int(table[i, PID]), int(table[i, HELD])
-        if process_alive(pid, int(table[i, START])):
-            out.append((int(i), pid, n))
-    return out
-
-
-def default_root() -> Path:
-    return Path(tempfile.gettempdir()) / "pd-cache-cores"
-
-
-def _own_folder(folder: Path) -> None:
-    """``folder`` made if missing (this user's alone), and refused (``OSError``) if it is
-    a symlink or another user's."""
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = os.lstat(folder)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-        raise OSError(f"{folder} is not a folder of this user's")
-
-
-def _file_name(node: str) -> str:
-    if not node or not all(c.isalnum() or c in "-_." for c in node):
-        raise ValueError(f"node: {node!r} is not a plain name (letters, digits, - _ .)")
-    return f"{node}.ledger"
-
-
-def _claim(table: np.ndarray, pid: int) -> int | None:
-    """The first slot that is ``pid``'s already, empty, or of a process that is gone."""
-    for i in range(SLOTS):
-        owner = int(table[i, PID])
-        if owner in (0, pid) or not process_alive(owner, int(table[i, START])):
-            table[i] = (pid, 0, process_start(pid))
-            return i
-    return None
 
 
 class Cores:

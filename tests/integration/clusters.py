@@ -19,7 +19,7 @@ from pd_cache.app.bench.workloads import Workload
 from pd_cache.core.request import Req
 from pd_cache.core.wire import Completion
 from pd_cache.model.model import Model, reference_generate
-from pd_cache.worker.cores import held
+from pd_cache.worker.ledger import held
 
 _ids = itertools.count()
 

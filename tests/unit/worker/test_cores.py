@@ -1,29 +1,23 @@
-"""The node's core ledger (``worker.cores``): real files, real processes as the other
-workers (a sleeping child is a live worker; a reaped one is gone)."""
+"""The node's core ledger (``worker.cores``, ``worker.ledger``): real files, real processes
+as the other workers (a sleeping child is a live worker; a reaped one is gone)."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from pd_cache.core.procs import process_start
 from pd_cache.core.stats import Stats
-from pd_cache.worker.cores import (
-    COLUMNS,
-    HELD,
-    LEND_MIN_TOKENS,
-    PID,
-    SLOTS,
-    START,
-    CoreLedger,
-    Cores,
-    held,
-    node_cores,
-)
+from pd_cache.worker.cores import LEND_MIN_TOKENS, CoreLedger, Cores, node_cores
+from pd_cache.worker.ledger import COLUMNS, HELD, PID, SLOTS, START, held
 from tests.unit.processes import dead_pid, live_child
 
 
@@ -110,6 +104,49 @@ def test_an_older_layouts_ledger_is_left_out(tmp_path: Path, other: int) -> None
     theirs = ledger(tmp_path, other)
     theirs.take(borrow=False)
     assert held(tmp_path) == {"node-a": {other: 1}}
+
+
+def test_ledgers_of_gone_nodes_are_removed_when_a_worker_starts(tmp_path: Path,
+                                                               other: int) -> None:
+    """Each cluster makes a ledger of its own; a worker that opens its node's removes the
+    ones nobody alive holds a slot in, and no other."""
+    gone = ledger(tmp_path, dead_pid())
+    gone.close()   # a worker that left cleanly: its slot is empty
+    for node in ("node-dead", "node-live", "node-locked"):
+        CoreLedger.open(node, pid=dead_pid() if node != "node-live" else other, root=tmp_path)
+    (tmp_path / "node-old.ledger").write_bytes(bytes(SLOTS * 16))   # another layout
+    with open(tmp_path / "node-locked.ledger", "rb") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)   # another process is opening it now
+        mine = CoreLedger.open("node-new", pid=os.getpid(), root=tmp_path)
+    assert mine is not None
+    assert sorted(p.stem for p in tmp_path.glob("*.ledger")) == [
+        "node-live", "node-locked", "node-new", "node-old"]
+    # the locked one goes the next time, once nobody holds it
+    CoreLedger.open("node-other", pid=other, root=tmp_path)
+    assert sorted(p.stem for p in tmp_path.glob("*.ledger")) == [
+        "node-live", "node-new", "node-old", "node-other"]
+    assert held(tmp_path)["node-live"] == {}   # a live worker's, idle
+
+
+def test_a_ledger_removed_while_a_worker_opened_it_is_made_again(tmp_path: Path) -> None:
+    """A sweep and a starting worker race for a file: the worker waits for the lock the
+    sweep holds, the sweep removes the file, and the worker claims its slot in the file the
+    folder names afterwards, never in the removed one (its node's other workers would not
+    see it)."""
+    path = tmp_path / "node-a.ledger"
+    path.write_bytes(bytes(SLOTS * COLUMNS * 8))
+    opened: list[CoreLedger | None] = []
+    with open(path, "rb") as sweeping:
+        fcntl.flock(sweeping, fcntl.LOCK_EX)
+        worker = threading.Thread(target=lambda: opened.append(
+            CoreLedger.open("node-a", pid=os.getpid(), root=tmp_path)))
+        worker.start()
+        time.sleep(0.3)   # the worker has opened the file and waits for its lock
+        path.unlink()
+    worker.join(timeout=10)
+    assert opened and opened[0] is not None
+    table = np.fromfile(path, dtype=np.int64).reshape(SLOTS, COLUMNS)
+    assert table[opened[0].slot, PID] == os.getpid()
 
 
 def test_a_ledger_reached_through_a_symlink_is_refused(tmp_path: Path) -> None:
