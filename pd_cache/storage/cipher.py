@@ -39,8 +39,9 @@ def open_into(aead: str, key: bytes, nonce: bytes, data: np.ndarray, aad: bytes,
               out: np.ndarray | None = None) -> np.ndarray:
     """The plaintext of ``data`` (ciphertext + tag), written into ``out`` (contiguous
     ``uint8`` of the plaintext's length) when given, else new memory; ``InvalidTag`` if it
-    does not verify (``out`` then holds bytes that must not be used)."""
-    if len(data) < TAG_BYTES:
+    does not verify (``out`` then holds bytes that must not be used), or is not ``out``'s
+    length plus the tag (it cannot be the payload the reader expects)."""
+    if len(data) < TAG_BYTES or (out is not None and len(out) != len(data) - TAG_BYTES):
         raise InvalidTag
     if out is None:
         out = torch.empty(len(data) - TAG_BYTES, dtype=torch.uint8).numpy()

@@ -12,6 +12,7 @@ import torch
 
 from pd_cache.core.config import PDCacheConfig
 from pd_cache.core.sealing import Keyring
+from pd_cache.core.vocab import MissReason
 from pd_cache.model.model import Model
 from pd_cache.storage import PageRecord, make_record, spread
 from pd_cache.storage.base import ExtraInfo
@@ -153,6 +154,20 @@ def test_each_aead_is_the_standard_one_over_payload_and_header(aead: str) -> Non
     opened = sealer.open(rec, "t").record
     assert opened is not None and bits(opened.payload()) == plain
     assert opened.header == msgspec.structs.replace(rec.header, seal=None)
+
+
+@pytest.mark.parametrize("aead", sorted(AEADS))
+def test_a_payload_of_the_wrong_length_is_a_verification_failure(aead: str) -> None:
+    """A sealed payload cut short or grown (its header unchanged) opens into nothing: a
+    counted refusal, not an error, and the slot it was read for is not written as valid."""
+    page = Chain(layout_for(), 1).records[0]
+    sealer = Sealer(Keyring(SECRET), aead=aead)
+    rec = sealer.seal(page, "t")
+    slot = torch.zeros_like(page.payload())
+    for payload in (rec.payloads[0][:-1], torch.cat([rec.payloads[0], rec.payloads[0][:1]])):
+        got = sealer.open(PageRecord(rec.header, (payload,)), "t", (slot,))
+        assert got.record is None and got.reason == MissReason.VERIFICATION_FAILED
+    assert bits(sealer.open(rec, "t", (slot,)).record.payload()) == bits(page.payload())
 
 
 def test_no_nonce_repeats_under_a_key_across_payloads_and_the_counter_wrap() -> None:
