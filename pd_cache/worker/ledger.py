@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import stat
 import tempfile
@@ -27,6 +28,8 @@ from typing import Any
 import numpy as np
 
 from pd_cache.core.procs import process_alive, process_start
+
+log = logging.getLogger(__name__)
 
 SLOTS = 256
 PID, HELD, START = 0, 1, 2    # START: the process's start time, clock ticks after boot
@@ -140,19 +143,26 @@ def sweep(folder: Path, keep: Path) -> int:
     for path in folder.glob("*.ledger"):
         if path == keep:
             continue
-        with _locked(path, create=False, wait=False) as f:
-            if f is None:
-                continue
-            raw = np.fromfile(f, dtype=np.int64)
-            if raw.size != SLOTS * COLUMNS:   # NOTE: another layout: another version's
-                continue
-            table = raw.reshape(SLOTS, COLUMNS)
-            if any(process_alive(int(row[PID]), int(row[START]))
-                   for row in table[table[:, PID] != 0]):
-                continue
-            path.unlink()
-            removed += 1
+        try:
+            removed += _remove_if_unheld(path)
+        except OSError as e:   # NOTE: not ours to judge (a symlink, say): left alone
+            log.debug("core ledger %s: left alone: %s", path, e)
     return removed
+
+
+def _remove_if_unheld(path: Path) -> bool:
+    with _locked(path, create=False, wait=False) as f:
+        if f is None:
+            return False
+        raw = np.fromfile(f, dtype=np.int64)
+        if raw.size != SLOTS * COLUMNS:   # NOTE: another layout: another version's
+            return False
+        table = raw.reshape(SLOTS, COLUMNS)
+        if any(process_alive(int(row[PID]), int(row[START]))
+               for row in table[table[:, PID] != 0]):
+            return False
+        path.unlink()
+        return True
 
 
 def _claim(table: np.ndarray, pid: int) -> int | None:

@@ -115,16 +115,18 @@ def test_ledgers_of_gone_nodes_are_removed_when_a_worker_starts(tmp_path: Path,
     for node in ("node-dead", "node-live", "node-locked"):
         CoreLedger.open(node, pid=dead_pid() if node != "node-live" else other, root=tmp_path)
     (tmp_path / "node-old.ledger").write_bytes(bytes(SLOTS * 16))   # another layout
+    (tmp_path / "elsewhere").write_bytes(bytes(SLOTS * COLUMNS * 8))
+    (tmp_path / "node-link.ledger").symlink_to(tmp_path / "elsewhere")   # never followed
     with open(tmp_path / "node-locked.ledger", "rb") as f:
         fcntl.flock(f, fcntl.LOCK_EX)   # another process is opening it now
         mine = CoreLedger.open("node-new", pid=os.getpid(), root=tmp_path)
     assert mine is not None
     assert sorted(p.stem for p in tmp_path.glob("*.ledger")) == [
-        "node-live", "node-locked", "node-new", "node-old"]
+        "node-link", "node-live", "node-locked", "node-new", "node-old"]
     # the locked one goes the next time, once nobody holds it
     CoreLedger.open("node-other", pid=other, root=tmp_path)
     assert sorted(p.stem for p in tmp_path.glob("*.ledger")) == [
-        "node-live", "node-new", "node-old", "node-other"]
+        "node-link", "node-live", "node-new", "node-old", "node-other"]
     assert held(tmp_path)["node-live"] == {}   # a live worker's, idle
 
 
