@@ -171,15 +171,8 @@ class ArenaWriter:
 
 
 def committed(record: PageRecord, slotted: Slotted) -> ArenaRecord:
-    """``record``, sealed into ``slotted``'s slot, marked whole there (its commit word).
-    A payload sealed elsewhere (an AEAD that cannot write in place) is copied in first."""
-    at = 0
-    for payload in record.payloads:
-        n = payload.numel() * payload.element_size()
-        view = slotted.arena.view(slotted.slot, at + n)[at:]
-        if payload.data_ptr() != view.data_ptr():
-            view.copy_(payload.view(-1).view(torch.uint8))
-        at += n
+    """``record``, sealed into ``slotted``'s slot (every AEAD writes there in place:
+    ``storage.cipher``), marked whole there (its commit word)."""
     slotted.arena.set_word(slotted.slot, slotted.gen)
     return ArenaRecord(record.header, record.payloads,
                        Where(slotted.arena.info, slotted.slot, slotted.gen))
