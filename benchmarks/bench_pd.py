@@ -45,7 +45,7 @@ from core_timeline import (
     run_bounds,
 )
 from results_io import write_result  # this folder: the tail every benchmark shares
-from thread_cpu import thread_cpu, thread_cpu_delta  # this folder
+from thread_cpu import kernel_side, thread_cpu, thread_cpu_delta  # this folder
 
 from pd_cache import ClusterConfig, PDCluster, Req
 from pd_cache.app.bench.runner import run_open_loop
@@ -104,6 +104,7 @@ def measure(cfg: ClusterConfig, stream: Workload, lockstep: bool) -> dict:
         pids = actor_pids(cluster)
         cpu_before, driver_before = role_cpu(pids), _own_cpu()
         threads_before = {r: thread_cpu(pids[r]) for r in ("prefill", "storage")}
+        kernel_before = {r: kernel_side(p) for r, p in pids.items()}
         calls_before, grants_before = cluster.l3_calls(), grant_calls(cluster)
         queries_before = index_queries(cluster)
         target = LocalTarget(cluster, stream=False)
@@ -120,6 +121,8 @@ def measure(cfg: ClusterConfig, stream: Workload, lockstep: bool) -> dict:
         cpu = {role: t - cpu_before[role] for role, t in role_cpu(pids).items()}
         cpu["driver"] = _own_cpu() - driver_before
         threads = {r: thread_cpu_delta(b, thread_cpu(pids[r])) for r, b in threads_before.items()}
+        kernel = {r: [now - was for now, was in zip(kernel_side(pids[r]), b)]
+                  for r, b in kernel_before.items()}
         writes = {**cluster.l3_writes(), **page_kinds(cluster.engine_stats())}
         calls = {op: n - calls_before[op] for op, n in cluster.l3_calls().items()}
         calls["arena_grant"] = grant_calls(cluster) - grants_before   # not an L3 op: apart
@@ -147,6 +150,8 @@ def measure(cfg: ClusterConfig, stream: Workload, lockstep: bool) -> dict:
         "cross_namespace_tokens": t["cross_namespace_tokens"],
         "phases_p50_s": phases_p50(done), "cpu_seconds": cpu, "core_use": cores,
         "thread_cpu_seconds": threads,
+        "page_faults": {r: k[0] for r, k in kernel.items()},
+        "system_cpu_seconds": {r: round(k[1], 3) for r, k in kernel.items()},
         "prompts": {c.rid: (c.num_prompt_tokens, sum(c.cached_tokens.values()))
                     for c in done},
         "prefill_s": {c.rid: c.prefill_s for c in done},
@@ -361,6 +366,9 @@ def main() -> None:
     for mode in ("on", "off"):
         print(f"cache {mode:>3}: CPU s by role " + ", ".join(
             f"{k} {v:.1f}" for k, v in results[mode]["cpu_seconds"].items()))
+        print("          page faults (system CPU s) by role " + ", ".join(
+            f"{k} {n} ({results[mode]['system_cpu_seconds'][k]:.2f})"
+            for k, n in results[mode]["page_faults"].items()))
         for role, spent in results[mode]["thread_cpu_seconds"].items():
             print(f"          {role} threads: " + ", ".join(
                 f"{k} {v:.2f}" for k, v in list(spent.items())[:8]))
