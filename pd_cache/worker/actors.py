@@ -41,14 +41,8 @@ log = logging.getLogger(__name__)
 # spinning; a forward that borrowed a core (worker.cores) and lost it to another worker
 # would otherwise burn it (zero-reuse TTFT at 4 req/s 0.74x of no lending with it, 1.31x
 # without: benchmarks/bench_cores.py).
-# MALLOC_*: glibc serves blocks below 256 MiB from its heap and keeps up to 1 GiB of freed
-# heap mapped, so a request's tensors reuse memory already faulted in. Its defaults mmap a
-# large block, unmap it when freed and trim the heap's top, so every request faulted its
-# pages in afresh: in bench_pd each prefill actor took about 4,000 page faults a request
-# cache off and 2,200 cache on, and 5-10% of its CPU was the kernel's (docs/benchmarks.md).
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(256 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 ACTOR_ENV = {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1", "OMP_NUM_THREADS": "1",
-             "OMP_WAIT_POLICY": "PASSIVE", "PYTHONMALLOC": "pymalloc", **MALLOC_ENV}
+             "OMP_WAIT_POLICY": "PASSIVE", "PYTHONMALLOC": "pymalloc"}
 DECODE_CONCURRENCY = 64   # decode calls one batching actor takes in at once
 RESERVE_WAIT_S = 2.0      # how long a computed prompt waits for decode's reservation
 ActorOptions = dict[str, Any]
