@@ -5,9 +5,10 @@ A restructure that should not change behaviour is checked this way: each benchma
 fall on both sides alike. Each commit is checked out into a temporary git worktree and run
 with this checkout's Python and that worktree first on ``PYTHONPATH``; the figures are read
 from the JSON each benchmark writes. Prints, per figure, every run, the medians and whether
-the new median lies within the old runs' spread; writes ``benchmarks/results/ab.json``.
+the new median lies within the old runs' spread; writes ``benchmarks/results/ab.json``
+(``--out``: another name there).
 
-    python benchmarks/ab_commits.py --old REV --new REV [--repeats 3]
+    python benchmarks/ab_commits.py --old REV --new REV [--repeats 3] [--out ab.json]
 
 Not a ``bench_*.py``: ``make bench`` does not run it.
 """
@@ -44,6 +45,11 @@ def checkout(rev: str, into: Path) -> Path:
     return into
 
 
+def _commit(rev: str) -> str:
+    return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", rev], check=True,
+                          capture_output=True, text=True).stdout.strip()
+
+
 def run_once(tree: Path, script: str) -> dict[str, float]:
     json_name, keys = BENCHMARKS[script]
     env = {**os.environ, "PYTHONPATH": str(tree)}
@@ -72,13 +78,17 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bench", action="append", choices=sorted(BENCHMARKS),
                         help="which benchmarks (default: all of them)")
+    parser.add_argument("--out", default="ab.json",
+                        help="the result file's name under benchmarks/results (default "
+                             "ab.json; name another to keep an earlier comparison)")
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="pd-cache-ab-"))
     trees: dict[str, Path] = {}
     try:
         for side, rev in (("old", args.old), ("new", args.new)):
             trees[side] = checkout(rev, scratch / side)
-        report: dict[str, object] = {"old": args.old, "new": args.new,
+        # NOTE: the commits themselves, not "HEAD~1": the file must still say what ran later.
+        report: dict[str, object] = {"old": _commit(args.old), "new": _commit(args.new),
                                      "repeats": args.repeats, "benchmarks": {}}
         for script in args.bench or sorted(BENCHMARKS):
             runs: dict[str, list[dict[str, float]]] = {"old": [], "new": []}
@@ -93,7 +103,7 @@ def main() -> int:
                       f"median {f['median_old']:.3f} -> {f['median_new']:.3f}  "
                       f"{'within' if f['within_old_spread'] else 'OUTSIDE'} old spread",
                       flush=True)
-        out = ROOT / "benchmarks" / "results" / "ab.json"
+        out = ROOT / "benchmarks" / "results" / args.out
         out.write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {out.relative_to(ROOT)}")
     finally:
