@@ -112,7 +112,7 @@ class Sealer:
         seal = Seal(key.version, key.epoch, self.keyring.owner(tenant), nonces)
         header = msgspec.structs.replace(record.header, seal=seal)
         aad, secret = encode_header(header), self.keyring.key(tenant, key)
-        outs = _split(out, [t.nbytes + TAG_BYTES for t in payloads])
+        outs = _split(out, _sealed_sizes(payloads))
         return PageRecord(header, tuple(seal_into(self.aead, secret, n, as_bytes(t), aad, o)
                                         for n, t, o in zip(nonces, payloads, outs)))
 
@@ -163,7 +163,12 @@ class Sealer:
 
 def sealed_nbytes(record: PageRecord) -> int:
     """Bytes of ``record``'s payloads once sealed (each with its tag)."""
-    return sum(t.nbytes + TAG_BYTES for t in record.payloads)
+    return sum(_sealed_sizes(record.payloads))
+
+
+def _sealed_sizes(payloads: Sequence[torch.Tensor]) -> list[int]:
+    """Each payload's bytes once sealed: the ciphertext and its tag."""
+    return [t.nbytes + TAG_BYTES for t in payloads]
 
 
 def _split(out: torch.Tensor | None, sizes: list[int]) -> list[torch.Tensor | None]:
