@@ -25,9 +25,15 @@ _TAIL = re.compile(r"[-_.\d]+$")
 TICK = os.sysconf("SC_CLK_TCK")
 
 
+def stat_fields(stat: str) -> list[str]:
+    """A ``/proc/.../stat`` line's fields after the command name (which may hold spaces and
+    parentheses): the state (field 3) first."""
+    return stat.rsplit(")", 1)[1].split()
+
+
 def stat_cpu(stat: str) -> float:
     """utime + stime, in seconds, of a process's or thread's ``/proc/.../stat`` line."""
-    fields = stat.rsplit(")", 1)[1].split()
+    fields = stat_fields(stat)
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
@@ -56,7 +62,7 @@ def kernel_side(pids: Iterable[int]) -> tuple[int, float]:
     faults, system = 0, 0.0
     for pid in pids:
         try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            fields = stat_fields(Path(f"/proc/{pid}/stat").read_text())
         except OSError:
             continue
         faults += int(fields[7])
