@@ -75,13 +75,30 @@ def kv_to_pages(kv: torch.Tensor, page_size: int,
     return out
 
 
-def pages_to_kv(pages: torch.Tensor, num_tokens: int, layout: KVLayout) -> torch.Tensor:
+def pages_to_kv(pages: torch.Tensor, num_tokens: int, layout: KVLayout,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """Pages ``[n, *page_shape]`` holding ``num_tokens`` tokens -> contiguous KV.
 
-    Raises ``ValueError`` if the pages have the wrong shape or dtype, or if ``n`` is not
-    the number of pages that ``num_tokens`` tokens fill.
+    ``out`` (optional): a contiguous ``[2, L, T', Hkv, D]`` tensor of the pages' dtype with
+    ``T' >= num_tokens``, such as a sequence's whole KV buffer: its first ``num_tokens``
+    tokens are filled with strided copies, no temporary, and returned (a view of ``out``).
+
+    Raises ``ValueError`` if the pages have the wrong shape or dtype, if ``n`` is not
+    the number of pages that ``num_tokens`` tokens fill, or if ``out`` does not fit.
     """
     check_pages(pages, layout, num_pages=num_pages_for(num_tokens, layout.page_size))
     n, two, layers, ps, heads, dim = pages.shape
-    kv = pages.permute(1, 2, 0, 3, 4, 5).reshape(two, layers, n * ps, heads, dim)
-    return kv[:, :, :num_tokens]
+    by_token = pages.permute(1, 2, 0, 3, 4, 5)   # [2, L, n, ps, Hkv, D]
+    if out is None:
+        return by_token.reshape(two, layers, n * ps, heads, dim)[:, :, :num_tokens]
+    fits = (out.ndim == 5 and out.shape[2] >= num_tokens and out.dtype == pages.dtype
+            and (*out.shape[:2], *out.shape[3:]) == (two, layers, heads, dim))
+    if not fits or not out.is_contiguous():
+        raise ValueError(f"pages_to_kv: out: expected a contiguous {pages.dtype} tensor "
+                         f"[{two}, {layers}, >= {num_tokens}, {heads}, {dim}], got "
+                         f"{out.dtype} {list(out.shape)}")
+    full = num_tokens // ps
+    out[:, :, :full * ps].unflatten(2, (full, ps)).copy_(by_token[:, :, :full])
+    if full < n:
+        out[:, :, full * ps:num_tokens].copy_(by_token[:, :, full, :num_tokens - full * ps])
+    return out[:, :, :num_tokens]

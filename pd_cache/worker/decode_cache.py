@@ -53,7 +53,7 @@ from pd_cache.core.request import Req
 from pd_cache.core.vocab import KEEP, KEPT, LOST, REFILLED, RESERVED, SEAM, Tier
 from pd_cache.core.wire import PrefillInfo
 from pd_cache.kv import CacheKey, MatchResult
-from pd_cache.kv.pages import kv_to_pages
+from pd_cache.kv.pages import check_pages, kv_to_pages
 from pd_cache.worker.engine import LocalEngine
 
 log = logging.getLogger(__name__)
@@ -193,33 +193,40 @@ class DecodeCache:
     def join(self, req: Req, info: PrefillInfo, received: torch.Tensor) -> Joined:
         """The prompt's pages: the ``info.kept_pages`` reserved here, then ``received``.
 
-        Raises ``ValueError`` if ``received`` is not the rest of the prompt. A reservation
-        missing or not matching prefill's names and seed is refilled (never trusted)."""
+        Raises ``ValueError`` if ``received`` is not the rest of the prompt (its pages'
+        shape, dtype or count), the reservation released. A reservation missing or not
+        matching prefill's names and seed is refilled (never trusted)."""
         kept = info.kept_pages
-        if received.shape[0] != info.sent_pages:
-            raise ValueError(f"handoff: {received.shape[0]} pages for the "
-                             f"{info.sent_pages} after the {kept} kept")
         with self.lock:
             held = self._held.pop(req.rid, None)
             try:
+                check_pages(received, self.engine.layout, field="handoff")
+                if received.shape[0] != info.sent_pages:
+                    raise ValueError(f"handoff: {received.shape[0]} pages for the "
+                                     f"{info.sent_pages} after the {kept} kept")
+                # NOTE: one page tensor for the whole prompt: the kept pages read straight
+                # into its head, the received ones copied after them.
+                pages = self.engine.device_pool.data.new_empty(
+                    (kept + received.shape[0], *self.engine.layout.page_shape))
                 seam_ok = self._seam_ok(req, held.match if held else None, info, kept)
-                head, by_tier = self._read(req, info, held if seam_ok else None)
+                by_tier = self._read(req, info, held if seam_ok else None, pages[:kept])
             finally:
                 if held is not None:
                     self.cache.unlock(held.match.node)
-        return Joined(torch.cat([head, received]), kept, by_tier, seam_ok)
+        pages[kept:].copy_(received)
+        return Joined(pages, kept, by_tier, seam_ok)
 
-    def _read(self, req: Req, info: PrefillInfo,
-              held: Reservation | None) -> tuple[torch.Tensor, dict[str, int]]:
-        """The ``kept`` pages: reserved, else refilled (``held`` is ``None`` when the
-        reservation is gone or its seam did not line up)."""
+    def _read(self, req: Req, info: PrefillInfo, held: Reservation | None,
+              out: torch.Tensor) -> dict[str, int]:
+        """The ``kept`` pages into ``out``: reserved, else refilled (``held`` is ``None``
+        when the reservation is gone or its seam did not line up); their pages by tier."""
         kept = info.kept_pages
         if held is None:
-            return self._refill(req, kept)
+            return self._refill(req, kept, out)
         self.engine.stats.count(KEEP, KEPT, kept)
         match = self.cache.prefix_of(self.cache.refresh(held.match), kept)
-        by_tier = {t.value: match.count(t) for t in (Tier.DEVICE, Tier.HOST)}
-        return self.cache.read_pages(match), by_tier
+        self.cache.read_pages(match, out=out)
+        return {t.value: match.count(t) for t in (Tier.DEVICE, Tier.HOST)}
 
     def _seam_ok(self, req: Req, match: MatchResult | None, info: PrefillInfo,
                  kept: int) -> bool:
@@ -240,15 +247,16 @@ class DecodeCache:
         self.engine.stats.count(KEEP, SEAM)
         return False
 
-    def _refill(self, req: Req, kept: int) -> tuple[torch.Tensor, dict[str, int]]:
-        """The first ``kept`` pages by the engine's prefill path (L1/L2, L3, compute) of
-        the prompt cut one token past them (prefill always computes the last token)."""
+    def _refill(self, req: Req, kept: int, out: torch.Tensor) -> dict[str, int]:
+        """The first ``kept`` pages into ``out`` by the engine's prefill path (L1/L2, L3,
+        compute) of the prompt cut one token past them (prefill always computes the last
+        token); their pages by tier (computed ones in none)."""
         ids = list(req.input_ids[:kept * self.page_size + 1])
-        out = self.engine.prefill(msgspec.structs.replace(req, input_ids=ids,
+        got = self.engine.prefill(msgspec.structs.replace(req, input_ids=ids,
                                                           max_new_tokens=0, output_ids=[]))
         self.engine.stats.count(KEEP, REFILLED, kept)
-        return (out.kv_pages[:kept].clone(),
-                {t: n // self.page_size for t, n in out.cached_tokens.items()})
+        out.copy_(got.kv_pages[:kept])
+        return {t: n // self.page_size for t, n in got.cached_tokens.items()}
 
     def keep(self, req: Req, tokens: list[int], buf: torch.Tensor, pos: int,
              states: Mapping[int, torch.Tensor]) -> None:

@@ -270,6 +270,7 @@ class DecodeWorker(_Worker):
         received, first, refused = kv_pages, info.first_token, self._audit(req, info)
         names: tuple[bytes, ...] | None = info.page_names
         kept: Joined | None = None
+        arrived = None   # NOTE: what the cache may keep: nothing unless the handoff joined
         try:
             state = None if states is None else PromptState.unpack(states, info.state_pages,
                                                                    self.engine.layout)
@@ -280,8 +281,9 @@ class DecodeWorker(_Worker):
             elif info.kept_pages:
                 kept = self._join(req, info, kv_pages)
                 kv_pages, names = kept.pages, names if kept.seam_ok else None
+            arrived = None if refused else kv_pages
         finally:
-            self.hold(req, None if refused else kv_pages, names)
+            self.hold(req, arrived, names)
         drawn: queue.SimpleQueue[int] = queue.SimpleQueue()
         done = self.batcher.submit(req, kv_pages, info.num_prompt_tokens, first, drawn.put,
                                    state=state, names=names,

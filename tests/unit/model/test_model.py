@@ -95,6 +95,22 @@ def test_pages_round_trip_with_partial_last_page() -> None:
     assert pages_to_kv(pages[:0], 0, layout).shape[2] == 0
 
 
+
+def test_pages_to_kv_fills_a_longer_buffer_in_place() -> None:
+    layout = _layout(page_size=4)
+    kv = torch.randn(2, CFG.num_layers, 10, CFG.num_kv_heads, CFG.head_dim)
+    pages = kv_to_pages(kv, 4)
+    buf = torch.full((2, CFG.num_layers, 13, CFG.num_kv_heads, CFG.head_dim), 7.0)
+    got = pages_to_kv(pages, 10, layout, out=buf)
+    assert got.data_ptr() == buf.data_ptr() and torch.equal(buf[:, :, :10], kv)
+    assert torch.all(buf[:, :, 10:] == 7.0)     # past the prompt: untouched
+    for bad, why in ((buf[:, :, :9], "expected a contiguous torch.float32 tensor"),
+                     (buf.half(), "got torch.float16"),
+                     (buf.transpose(3, 4), r"\[2, 2, >= 10, 2, 16\], got torch.float32 "
+                                               r"\[2, 2, 13, 16, 2\]")):
+        with pytest.raises(ValueError, match=why):
+            pages_to_kv(pages, 10, layout, out=bad)
+
 def test_bfloat16_pages_take_half_the_bytes() -> None:
     f32 = _layout(CFG)
     bf16 = _layout(dataclasses.replace(CFG, kv_dtype="bfloat16"))

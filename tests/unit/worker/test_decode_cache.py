@@ -194,3 +194,33 @@ def test_a_first_turn_reserves_the_system_prompt_of_a_turn_still_decoding() -> N
     clean(p, d)
     for w in (p, d):
         w.close()
+
+
+def test_a_handoff_that_does_not_fit_is_refused_its_reservation_freed_nothing_kept() -> None:
+    model = Model(SMALL.model)
+    storage = make_backend(SMALL.storage, SMALL.layout)
+    p, d = PrefillWorker(SMALL, storage=storage), DecodeWorker(SMALL, storage=storage)
+    one = Req(rid="t1", input_ids=prompt(5, 17), max_new_tokens=8)
+    out1, _ = turn(p, d, one)
+    two = Req(rid="t2", input_ids=one.input_ids + out1.output_ids + prompt(6, 9),
+              max_new_tokens=4)
+    usage = d.state().pool_usage
+    kept = d.reserve(two)
+    info, pages, _ = p.prefill(two, kept)
+    assert kept and info.sent_pages == pages.shape[0] >= 2 and d.state().locks == 1
+    with pytest.raises(ValueError, match="handoff: expected dtype torch.float32, got "
+                                         "torch.float16"):
+        d.decode(two, info, pages.half())
+    assert d.state().locks == 0 and d.state().pool_usage == usage
+    assert d.reserve(two) == kept
+    with pytest.raises(ValueError, match=rf"handoff: {info.sent_pages - 1} pages for the "
+                                         rf"{info.sent_pages} after the {kept} kept"):
+        d.decode(two, info, pages[1:])
+    assert d.state().locks == 0 and d.state().pool_usage == usage
+    # the same turn handed off whole decodes as the model does, from what decode kept
+    out2, info2 = turn(p, d, two)
+    assert info2.kept_pages == kept and out2.pages_kept == kept
+    assert out2.output_ids == reference_generate(model, two).output_ids
+    clean(p, d)
+    for w in (p, d):
+        w.close()
