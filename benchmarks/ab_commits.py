@@ -16,7 +16,9 @@ Not a ``bench_*.py``: ``make bench`` does not run it.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import operator
 import os
 import shutil
 import statistics
@@ -26,10 +28,12 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# benchmark script -> (its JSON under benchmarks/results, the figures compared)
+# benchmark script -> (its JSON under benchmarks/results, the figures compared; a dotted
+# figure is a path into the JSON: "on.cpu_seconds.decode")
 BENCHMARKS = {
     "bench_pd.py": ("pd.json", ("throughput_ratio", "ttft_p50_ratio", "efficiency",
-                                "efficiency_strict")),
+                                "efficiency_strict", "on.seconds", "on.cpu_seconds.prefill",
+                                "on.cpu_seconds.decode", "on.page_faults.decode")),
     "bench_engine.py": ("engine.json", ("ttft_vs_floor", "paired_device_hit_ttft_vs_floor",
                                         "paired_host_hit_ttft_vs_floor",
                                         "median_cold_ttft_s")),
@@ -56,7 +60,8 @@ def run_once(tree: Path, script: str) -> dict[str, float]:
     subprocess.run([sys.executable, str(tree / "benchmarks" / script)], cwd=tree, env=env,
                    check=True, stdout=subprocess.DEVNULL)
     result = json.loads((tree / "benchmarks" / "results" / json_name).read_text())
-    return {key: float(result[key]) for key in keys}
+    return {key: float(functools.reduce(operator.getitem, key.split("."), result))
+            for key in keys}
 
 
 def compare(runs: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, object]]:
