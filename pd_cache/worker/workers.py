@@ -264,8 +264,7 @@ class DecodeWorker(_Worker):
         ``output_ids`` has them all, the first included). Errors as ``decode``."""
         if info.rid != req.rid:
             raise ValueError(f"info.rid: {info.rid!r} does not match request {req.rid!r}")
-        # NOTE: received pages may be a read-only view of shared memory. The engine never
-        # writes into them: decode copies them into its own KV buffer, offload snapshots.
+        # NOTE: received pages may be read-only shared memory: decode and offload copy them.
         start = time.perf_counter()
         received, first, refused = kv_pages, info.first_token, self._audit(req, info)
         names: tuple[bytes, ...] | None = info.page_names
@@ -295,8 +294,7 @@ class DecodeWorker(_Worker):
                 continue
         tokens = done.result()
         result = DecodeInfo(req.rid, self.worker_id, tokens, int(received.shape[0]), refused,
-                            handoff_s, time.perf_counter() - start,
-                            kept.kept if kept else 0)
+                            handoff_s, time.perf_counter() - start, kept.kept if kept else 0)
         with self._record_lock:   # calls may run on several threads; metrics deltas may not
             self._record(req, info, result, received, kept)
         yield result

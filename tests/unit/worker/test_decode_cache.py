@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from typing import Any
 
 import msgspec
 import pytest
@@ -28,6 +29,18 @@ def turn(p: PrefillWorker, d: DecodeWorker, req: Req, reserve: bool = True) -> t
     info, pages, states = p.prefill(req, kept)
     assert pages.shape[0] == info.sent_pages == info.num_kv_pages - kept
     return d.decode(req, info, pages, states=states), info
+
+
+def after_a_first_turn(seeds: tuple[int, int], lengths: tuple[int, int]
+                       ) -> tuple[Any, PrefillWorker, DecodeWorker, Req]:
+    """An L3, workers sharing it after a first turn of ``lengths[0]`` tokens and 8
+    answered, and the second turn's request (``lengths[1]`` new tokens, 4 to answer)."""
+    storage = make_backend(SMALL.storage, SMALL.layout)
+    p, d = PrefillWorker(SMALL, storage=storage), DecodeWorker(SMALL, storage=storage)
+    one = Req(rid="t1", input_ids=prompt(seeds[0], lengths[0]), max_new_tokens=8)
+    out1, _ = turn(p, d, one)
+    ids = one.input_ids + out1.output_ids + prompt(seeds[1], lengths[1])
+    return storage, p, d, Req(rid="t2", input_ids=ids, max_new_tokens=4)
 
 
 def clean(*workers: PrefillWorker | DecodeWorker) -> None:
@@ -67,12 +80,7 @@ def test_a_second_turn_hands_off_only_the_new_pages(cfg: PDCacheConfig) -> None:
 
 def test_a_lost_or_mismatched_reservation_is_refilled() -> None:
     model = Model(SMALL.model)
-    storage = make_backend(SMALL.storage, SMALL.layout)
-    p, d = PrefillWorker(SMALL, storage=storage), DecodeWorker(SMALL, storage=storage)
-    one = Req(rid="t1", input_ids=prompt(3, 17), max_new_tokens=8)
-    out1, _ = turn(p, d, one)
-    two = Req(rid="t2", input_ids=one.input_ids + out1.output_ids + prompt(4, 3),
-              max_new_tokens=4)
+    storage, p, d, two = after_a_first_turn((3, 4), (17, 3))
     want = reference_generate(model, two).output_ids
     kept = d.reserve(two)
     assert kept == (17 + 8 - 1) // PS and d.state().locks == 1
@@ -198,12 +206,7 @@ def test_a_first_turn_reserves_the_system_prompt_of_a_turn_still_decoding() -> N
 
 def test_a_handoff_that_does_not_fit_is_refused_its_reservation_freed_nothing_kept() -> None:
     model = Model(SMALL.model)
-    storage = make_backend(SMALL.storage, SMALL.layout)
-    p, d = PrefillWorker(SMALL, storage=storage), DecodeWorker(SMALL, storage=storage)
-    one = Req(rid="t1", input_ids=prompt(5, 17), max_new_tokens=8)
-    out1, _ = turn(p, d, one)
-    two = Req(rid="t2", input_ids=one.input_ids + out1.output_ids + prompt(6, 9),
-              max_new_tokens=4)
+    _, p, d, two = after_a_first_turn((5, 6), (17, 9))
     usage = d.state().pool_usage
     kept = d.reserve(two)
     info, pages, _ = p.prefill(two, kept)
