@@ -26,7 +26,7 @@ from pd_cache.core.request import Req
 from pd_cache.core.stats import Stats
 from pd_cache.core.vocab import DECODE
 from pd_cache.kv import PagePool
-from pd_cache.kv.pages import check_pages, kv_to_pages, num_pages_for, pages_to_kv
+from pd_cache.kv.pages import kv_to_pages, pages_to_kv
 from pd_cache.kv.state import checkpoints
 from pd_cache.model.model import Model, sample
 from pd_cache.model.model import check_state as check_model_state
@@ -110,11 +110,10 @@ class Decoding:
             raise ValueError(f"first_token: expected a token id in [0, {vocab}), got "
                              f"{first_token!r}")
         n, steps = num_prompt_tokens, req.max_new_tokens
-        check_pages(prompt_kv_pages, self.layout, num_pages=num_pages_for(n, self.page_size))
         two, layers, _, heads, dim = self.layout.page_shape
         # NOTE: one buffer for the whole sequence, the prompt's KV copied straight from its
-        # pages; the last token's KV is never needed.
-        buf = prompt_kv_pages.new_empty((two, layers, n + max(steps, 1) - 1, heads, dim))
+        # pages (checked there); the last token's KV is never needed.
+        buf = self.device_pool.data.new_empty((two, layers, n + max(steps, 1) - 1, heads, dim))
         pages_to_kv(prompt_kv_pages, n, self.layout, out=buf)
         recurrent = self._recurrent(state)
         offloading = None

@@ -95,7 +95,6 @@ def test_pages_round_trip_with_partial_last_page() -> None:
     assert pages_to_kv(pages[:0], 0, layout).shape[2] == 0
 
 
-
 def test_pages_to_kv_fills_a_longer_buffer_in_place() -> None:
     layout = _layout(page_size=4)
     kv = torch.randn(2, CFG.num_layers, 10, CFG.num_kv_heads, CFG.head_dim)
@@ -110,6 +109,7 @@ def test_pages_to_kv_fills_a_longer_buffer_in_place() -> None:
                                                r"\[2, 2, 13, 16, 2\]")):
         with pytest.raises(ValueError, match=why):
             pages_to_kv(pages, 10, layout, out=bad)
+
 
 def test_bfloat16_pages_take_half_the_bytes() -> None:
     f32 = _layout(CFG)
