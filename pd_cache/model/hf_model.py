@@ -25,7 +25,7 @@ from torch import nn
 from pd_cache.core.config import ModelConfig
 from pd_cache.core.pretrained import checkpoint_digest, weight_files
 from pd_cache.kv.pages import kv_torch_dtype
-from pd_cache.model.layers import RMSNorm, Rotary, attend_step
+from pd_cache.model.layers import PrefixMask, RMSNorm, Rotary, attend_prefix, attend_step
 from pd_cache.model.model import Model
 
 LLAMA = "LlamaForCausalLM"
@@ -110,21 +110,14 @@ class HFAttention(nn.Module):
                 self.k_proj(x).view(n, self.num_kv_heads, self.head_dim),
                 self.v_proj(x).view(n, self.num_kv_heads, self.head_dim))
 
-    def forward(self, x: torch.Tensor, past: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, past: torch.Tensor,
+                how: PrefixMask) -> tuple[torch.Tensor, torch.Tensor]:
         """``x`` ``[T, hidden]`` after ``past`` ``[2, P, Hkv, D]`` -> output, new KV."""
-        t, start = x.shape[0], past.shape[1]
+        start = past.shape[1]
         q, k, v = self._qkv(x)
-        q, k = self.rotary(q, start), self.rotary(k, start)
-        # NOTE: rounded to the storage dtype before attending, as the built-in model does,
-        # so the cached and uncached paths attend over exactly the same values.
-        new = torch.stack([k, v]).to(self.kv_dtype)
-        kv = torch.cat([past.float(), new.float()], dim=1)
-        mask = None if t == 1 else \
-            torch.arange(start + t)[None, :] <= (torch.arange(t) + start)[:, None]
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], kv[0].transpose(0, 1)[None], kv[1].transpose(0, 1)[None],
-            attn_mask=mask, enable_gqa=True)
-        return self.o_proj(out[0].transpose(0, 1).reshape(t, -1)), new
+        out, new = attend_prefix(self.rotary(q, start), self.rotary(k, start), v, past,
+                                 self.kv_dtype, how)
+        return self.o_proj(out), new
 
     def step(self, x: torch.Tensor, bufs: Sequence[torch.Tensor], layer: int,
              positions: list[int], pos: torch.Tensor) -> torch.Tensor:
@@ -149,8 +142,9 @@ class HFBlock(nn.Module):
         self.up_proj = w.linear(f"{p}.mlp.up_proj", m, h, False)
         self.down_proj = w.linear(f"{p}.mlp.down_proj", h, m, False)
 
-    def forward(self, x: torch.Tensor, past: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        attn, new = self.self_attn(self.input_layernorm(x), past)
+    def forward(self, x: torch.Tensor, past: torch.Tensor,
+                how: PrefixMask) -> tuple[torch.Tensor, torch.Tensor]:
+        attn, new = self.self_attn(self.input_layernorm(x), past, how)
         return self._mlp(x + attn), new
 
     def step(self, x: torch.Tensor, bufs: Sequence[torch.Tensor], layer: int,

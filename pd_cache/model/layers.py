@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -81,22 +82,16 @@ class Attention(nn.Module):
         self.wv = weight(g, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size)
         self.wo = weight(g, cfg.hidden_size, cfg.num_heads * cfg.head_dim)
 
-    def forward(self, x: torch.Tensor, past: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x`` ``[T, hidden]`` after ``past`` ``[2, P, Hkv, D]`` -> output, new KV."""
+    def forward(self, x: torch.Tensor, past: torch.Tensor,
+                how: PrefixMask) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x`` ``[T, hidden]`` after ``past`` ``[2, P, Hkv, D]`` -> output, new KV;
+        ``how`` is ``prefix_mask(T, P)``."""
         t, start = x.shape[0], past.shape[1]
         q = self.rotary(F.linear(x, self.wq).view(t, self.num_heads, self.head_dim), start)
         k = self.rotary(F.linear(x, self.wk).view(t, self.num_kv_heads, self.head_dim), start)
         v = F.linear(x, self.wv).view(t, self.num_kv_heads, self.head_dim)
-        # NOTE: round to the storage dtype before attending, so the cached and uncached
-        # paths attend over exactly the same values.
-        new = torch.stack([k, v]).to(self.kv_dtype)
-        kv = torch.cat([past.float(), new.float()], dim=1)
-        # NOTE: 4-D inputs [1, H, T, D]: on CPU only those take the fused kernel (3-D ones
-        # fall back to the math path, ~6x slower).
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], kv[0].transpose(0, 1)[None], kv[1].transpose(0, 1)[None],
-            attn_mask=_causal_mask(t, start), enable_gqa=True)
-        return F.linear(out[0].transpose(0, 1).reshape(t, -1), self.wo), new
+        out, new = attend_prefix(q, k, v, past, self.kv_dtype, how)
+        return F.linear(out, self.wo), new
 
     def step(self, x: torch.Tensor, bufs: Sequence[torch.Tensor], layer: int,
              positions: list[int], pos: torch.Tensor) -> torch.Tensor:
@@ -111,12 +106,42 @@ class Attention(nn.Module):
         return F.linear(attend_step(q, new, bufs, layer, positions), self.wo)
 
 
-def _causal_mask(t: int, start: int) -> torch.Tensor | None:
-    """Query i (position ``start + i``) sees keys ``0 .. start + i``; ``None`` = sees all."""
+class PrefixMask(NamedTuple):
+    """How ``T`` new queries after ``P`` cached keys attend (``prefix_mask``)."""
+
+    mask: torch.Tensor | None = None
+    causal: bool = False
+
+
+def prefix_mask(t: int, start: int, device: torch.device | str = "cpu") -> PrefixMask:
+    """Query ``i`` (position ``start + i``) sees keys ``0 .. start + i``; built once per
+    forward and shared by every layer. One query sees every key (no mask); with no cached
+    prefix that is SDPA's own causal flag (the same values to the bit, and blocks above the
+    diagonal skipped: about half the attention of a whole prompt); else an additive float
+    mask (a boolean one is converted to it inside every call)."""
     if t == 1:
-        return None
-    keys = torch.arange(start + t)
-    return keys[None, :] <= (torch.arange(t) + start)[:, None]
+        return PrefixMask()
+    if start == 0:
+        return PrefixMask(causal=True)
+    keys = torch.arange(start + t, device=device)
+    sees = keys[None, :] <= (torch.arange(t, device=device) + start)[:, None]
+    return PrefixMask(torch.zeros(sees.shape, device=device).masked_fill_(~sees, -math.inf))
+
+
+def attend_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: torch.Tensor,
+                  kv_dtype: torch.dtype, how: PrefixMask) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries ``q`` ``[T, H, D]`` over ``past`` ``[2, P, Hkv, D]`` and their own keys and
+    values ``k``, ``v`` ``[T, Hkv, D]`` -> output ``[T, H * D]``, new KV ``[2, T, Hkv, D]``."""
+    # NOTE: round to the storage dtype before attending, so the cached and uncached paths
+    # attend over exactly the same values.
+    new = torch.stack([k, v]).to(kv_dtype)
+    kv = torch.cat([past.float(), new.float()], dim=1)
+    # NOTE: 4-D inputs [1, H, T, D]: on CPU only those take the fused kernel (3-D ones fall
+    # back to the math path, ~6x slower).
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], kv[0].transpose(0, 1)[None], kv[1].transpose(0, 1)[None],
+        attn_mask=how.mask, is_causal=how.causal, enable_gqa=True)
+    return out[0].transpose(0, 1).reshape(q.shape[0], -1), new
 
 
 class Recurrence(nn.Module):

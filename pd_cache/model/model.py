@@ -28,7 +28,15 @@ from torch import nn
 from pd_cache.core.config import ATTENTION, ModelConfig
 from pd_cache.core.request import Req, SamplingParams
 from pd_cache.kv.pages import check_tensor, kv_torch_dtype
-from pd_cache.model.layers import Attention, Recurrence, RMSNorm, Rotary, weight
+from pd_cache.model.layers import (
+    Attention,
+    PrefixMask,
+    Recurrence,
+    RMSNorm,
+    Rotary,
+    prefix_mask,
+    weight,
+)
 
 
 class ForwardOutput(NamedTuple):
@@ -73,8 +81,9 @@ class Block(_MLPBlock):
         self.attn = Attention(cfg, g, rotary)
         self._add_mlp(cfg, g)
 
-    def forward(self, x: torch.Tensor, past: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        attn, new = self.attn(self.attn_norm(x), past)
+    def forward(self, x: torch.Tensor, past: torch.Tensor,
+                how: PrefixMask) -> tuple[torch.Tensor, torch.Tensor]:
+        attn, new = self.attn(self.attn_norm(x), past, how)
         x = x + attn
         return self._mlp(x), new
 
@@ -140,10 +149,11 @@ class Model(nn.Module):
         h0 = self._check_state(state)
         at = _check_state_at(state_at, len(ids))
         x = self.embed[ids]
+        how = prefix_mask(len(ids), past.shape[2], self.device)
         new_kv, finals, kept = [], [], []
         for block, kind in zip(self.blocks, self.cfg.kinds, strict=True):
             if kind == ATTENTION:
-                x, new = block(x, past[:, len(new_kv)])
+                x, new = block(x, past[:, len(new_kv)], how)
                 new_kv.append(new)
             else:
                 x, states = block(x, h0[len(finals)])

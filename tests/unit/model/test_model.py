@@ -16,6 +16,7 @@ from pd_cache.core.request import Req, SamplingParams
 from pd_cache.kv.pages import check_pages, kv_to_pages, pages_to_kv
 from pd_cache.model import digest
 from pd_cache.model.digest import seeded_weights_digest, weights_digest, with_weights_digest
+from pd_cache.model.layers import attend_prefix, prefix_mask
 from pd_cache.model.model import Model, reference_generate, sample
 from pd_cache.storage import make_backend
 from pd_cache.storage.tier import StorageTier
@@ -73,6 +74,26 @@ def test_attention_is_causal(model: Model) -> None:
     short = model(ids[:12], all_logits=True).logits
     longer = model(ids[:12] + _tokens(12, seed=5), all_logits=True).logits[:12]
     torch.testing.assert_close(short, longer, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("t,start", [(1, 0), (1, 9), (7, 0), (5, 11)])
+def test_prefix_attention_is_the_softmax_formula(t: int, start: int) -> None:
+    # Against the formula in float64: query i (position start + i) attends keys 0..start + i,
+    # each group of 4 query heads over one KV head; whichever mask prefix_mask picks.
+    g = torch.Generator().manual_seed(t * 100 + start)
+    heads, kv_heads, dim = 8, 2, 16
+    q = torch.randn(t, heads, dim, generator=g)
+    k, v = torch.randn(2, t, kv_heads, dim, generator=g)
+    past = torch.randn(2, start, kv_heads, dim, generator=g)
+    out, new = attend_prefix(q, k, v, past, torch.float32, prefix_mask(t, start))
+    keys = torch.cat([past[0], k]).double().repeat_interleave(heads // kv_heads, dim=1)
+    values = torch.cat([past[1], v]).double().repeat_interleave(heads // kv_heads, dim=1)
+    scores = torch.einsum("thd,khd->htk", q.double(), keys) / dim ** 0.5
+    seen = torch.arange(start + t)[None, :] <= torch.arange(start, start + t)[:, None]
+    want = torch.einsum("htk,khd->thd", scores.masked_fill(~seen, float("-inf")).softmax(-1),
+                        values).reshape(t, heads * dim)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=0)
+    assert torch.equal(new, torch.stack([k, v]))
 
 
 def test_positions_matter(model: Model) -> None:
