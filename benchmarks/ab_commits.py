@@ -33,7 +33,9 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = {
     "bench_pd.py": ("pd.json", ("throughput_ratio", "ttft_p50_ratio", "efficiency",
                                 "efficiency_strict", "on.seconds", "on.cpu_seconds.prefill",
-                                "on.cpu_seconds.decode", "on.page_faults.decode")),
+                                "on.cpu_seconds.decode", "on.page_faults.prefill",
+                                "on.page_faults.decode", "off.seconds",
+                                "off.cpu_seconds.prefill")),
     "bench_engine.py": ("engine.json", ("ttft_vs_floor", "paired_device_hit_ttft_vs_floor",
                                         "paired_host_hit_ttft_vs_floor",
                                         "median_cold_ttft_s")),
