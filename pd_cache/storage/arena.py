@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import select
 import sys
 import threading
 from collections import deque
@@ -90,6 +91,7 @@ class Arena:
 
     def __init__(self, info: ArenaInfo, mm: mmap.mmap, fd: int | None = None) -> None:
         self.info, self._mm, self._fd = info, mm, fd
+        self._pidfd = _pidfd(info) if fd is None else None
         self._words = np.frombuffer(mm, np.uint64, count=info.slots, offset=WORDS_AT)
         self._ready = np.zeros(info.slots, dtype=bool)   # slots faulted in here for writing
         self._data = torch.frombuffer(mm, dtype=torch.uint8, offset=info.data_at,
@@ -146,8 +148,14 @@ class Arena:
     @property
     def alive(self) -> bool:
         """Whether its shard still runs: this process (it owns the memfd), or the process
-        that made it, not a later one that got its pid."""
-        return self._fd is not None or process_alive(self.info.pid, self.info.start)
+        that made it, not a later one that got its pid. A reader asks once per record it
+        is lent: through a pidfd that is a 1-2 us poll (a pidfd names one process, never a
+        later one with its pid) against about 20 us to read ``/proc`` (no pidfd here)."""
+        if self._fd is not None:
+            return True
+        if self._pidfd is not None:
+            return not select.select([self._pidfd], [], [], 0)[0]   # readable: it exited
+        return process_alive(self.info.pid, self.info.start)
 
     def word(self, slot: int) -> int:
         return int(self._words[slot])
@@ -166,6 +174,9 @@ class Arena:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
 
 
 class SlotTable:
@@ -229,6 +240,19 @@ class Grant(msgspec.Struct, frozen=True, gc=False):
 # -- this process's mappings, by arena id ---------------------------------------------------
 _OPEN: dict[bytes, Arena] = {}
 _LOCK = threading.Lock()
+
+
+def _pidfd(info: ArenaInfo) -> int | None:
+    """A pidfd of the process that made the arena, if it still runs and this kernel has
+    them; ``None`` otherwise (``Arena.alive`` then reads ``/proc``)."""
+    try:
+        fd = os.pidfd_open(info.pid)
+    except (OSError, AttributeError):
+        return None
+    if info.start and process_start(info.pid) != info.start:   # NOTE: after the open: it
+        os.close(fd)                                            # names that process
+        return None
+    return fd
 
 
 def _remember(arena: Arena) -> Arena:

@@ -1,15 +1,20 @@
 """Arena slots leased ahead of need: a grant call gives spare slots from the free ones only;
 a writer takes a set's slots from its lease when it holds one for every page (no call),
 all or none, never past half the shard's lease, and never from a shard that died (its
-pid gone, or taken by a later process)."""
+pid gone, or taken by a later process; a mapping sees it die at once)."""
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import msgspec
+import pytest
 
-from pd_cache.core.procs import process_start
+from pd_cache.core.procs import process_alive, process_start
 from pd_cache.storage.arena import LEASE_S, Arena, this_node
 from pd_cache.storage.arena_backend import ArenaBackend, slot_bytes
 from pd_cache.storage.arena_writer import ArenaWriter, Leases, Slotted
@@ -74,4 +79,36 @@ def test_a_writer_sets_from_its_lease_and_forgets_a_dead_shards() -> None:
     assert writer._leased(0, [0], [100], [None], now=1.0) == [0]
     assert len(writer._leases[0]) == 0
     assert arena.alive and arena.info.start == process_start(os.getpid()) > 0   # its own
+    arena.close()
+
+
+@pytest.mark.parametrize("pidfds", [True, False])
+def test_a_mapping_sees_its_shard_die_at_once(monkeypatch, pidfds: bool) -> None:
+    # A reader's mapping made while the shard ran; then the shard is killed (-9). With a
+    # pidfd the exit shows before the process is even reaped; without (an older kernel)
+    # /proc says so once it is gone.
+    if not pidfds:
+        monkeypatch.delattr(os, "pidfd_open")
+    arena = Arena.create(100, 2)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        shard = Arena(msgspec.structs.replace(arena.info, pid=child.pid,
+                                              start=process_start(child.pid)), arena._mm)
+        assert (shard._pidfd is not None) == pidfds
+        assert shard.alive
+        child.send_signal(signal.SIGKILL)
+        if pidfds:
+            deadline = time.monotonic() + 10
+            while shard.alive and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert not shard.alive
+            # not reaped yet: /proc still shows the process (a zombie) as it was
+            assert process_alive(child.pid, shard.info.start)
+        child.wait()
+        assert not shard.alive
+        shard.close()
+        assert shard._pidfd is None
+    finally:
+        child.kill()
+        child.wait()
     arena.close()
