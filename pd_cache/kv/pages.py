@@ -75,6 +75,14 @@ def kv_to_pages(kv: torch.Tensor, page_size: int,
     return out
 
 
+def page_view(kv: torch.Tensor, page_size: int) -> torch.Tensor:
+    """The full pages of ``kv`` ``[2, L, T, Hkv, D]`` as a strided view ``[T // ps, 2, L, ps,
+    Hkv, D]`` of it, no copy (a partial last page left out): for a reader that copies only
+    the pages it takes, such as a radix insert of pages mostly cached already."""
+    full = kv.shape[2] // page_size
+    return kv[:, :, :full * page_size].unflatten(2, (full, page_size)).permute(2, 0, 1, 3, 4, 5)
+
+
 def pages_to_kv(pages: torch.Tensor, num_tokens: int, layout: KVLayout,
                 out: torch.Tensor | None = None) -> torch.Tensor:
     """Pages ``[n, *page_shape]`` holding ``num_tokens`` tokens -> contiguous KV.

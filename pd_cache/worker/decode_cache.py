@@ -53,7 +53,7 @@ from pd_cache.core.request import Req
 from pd_cache.core.vocab import KEEP, KEPT, LOST, REFILLED, RESERVED, SEAM, Tier
 from pd_cache.core.wire import PrefillInfo
 from pd_cache.kv import CacheKey, MatchResult
-from pd_cache.kv.pages import check_pages, kv_to_pages
+from pd_cache.kv.pages import check_pages, page_view
 from pd_cache.worker.engine import LocalEngine
 
 log = logging.getLogger(__name__)
@@ -268,7 +268,9 @@ class DecodeCache:
             return
         n = full * self.page_size
         key = CacheKey.for_request(req, tokens[:n], page_size=self.page_size, algo=self.algo)
-        pages = kv_to_pages(buf[:, :, :n], self.page_size)
+        # NOTE: a view of the buffer: insert copies only the pages it does not hold yet
+        # (most of a conversation's are), never the whole sequence into new memory first.
+        pages = page_view(buf[:, :, :n], self.page_size)
         with self.lock:
             kept = self.cache.insert(key, pages, req.namespace_seed(self.algo),
                                      {i: s for i, s in states.items() if i < full})

@@ -13,7 +13,7 @@ import torch
 
 from pd_cache.core.config import CacheConfig, KVLayout, ModelConfig, PDCacheConfig, StorageConfig
 from pd_cache.core.request import Req, SamplingParams
-from pd_cache.kv.pages import check_pages, kv_to_pages, pages_to_kv
+from pd_cache.kv.pages import check_pages, kv_to_pages, page_view, pages_to_kv
 from pd_cache.model import digest
 from pd_cache.model.digest import seeded_weights_digest, weights_digest, with_weights_digest
 from pd_cache.model.layers import attend_prefix, prefix_mask
@@ -114,6 +114,16 @@ def test_pages_round_trip_with_partial_last_page() -> None:
     assert torch.count_nonzero(pages[2, :, :, 2:]) == 0
     assert torch.equal(pages_to_kv(pages, 10, layout), kv)
     assert pages_to_kv(pages[:0], 0, layout).shape[2] == 0
+
+
+def test_page_view_is_the_full_pages_without_a_copy() -> None:
+    kv = torch.randn(2, CFG.num_layers, 10, CFG.num_kv_heads, CFG.head_dim)
+    view = page_view(kv, 4)
+    assert tuple(view.shape) == (2, *_layout(page_size=4).page_shape)   # token 8, 9: left out
+    assert torch.equal(view, kv_to_pages(kv[:, :, :8], 4))
+    # token t is row t % 4 of page t // 4, in kv's own memory
+    kv[:, :, 6] = 7.0
+    assert torch.equal(view[1, :, :, 2], torch.full_like(view[1, :, :, 2], 7.0))
 
 
 def test_pages_to_kv_fills_a_longer_buffer_in_place() -> None:
