@@ -33,7 +33,6 @@ from pd_cache.model.model import check_state as check_model_state
 from pd_cache.tiering.offload import DecodeOffloadManager
 from pd_cache.worker.cores import Cores
 from pd_cache.worker.outputs import DecodeSeq, PromptState
-from pd_cache.worker.seq_buffers import SeqBuffers
 
 log = logging.getLogger(__name__)
 Keeper = Callable[[Req, list[int], torch.Tensor, int, Mapping[int, torch.Tensor]], None]
@@ -52,7 +51,6 @@ class Decoding:
     layout: KVLayout
     keeper: Keeper | None = None
     cores: Cores
-    seq_buffers: SeqBuffers
 
     def _check_request(self, req: Req) -> None:
         req.check_model(vocab_size=self.config.model.vocab_size,
@@ -115,12 +113,8 @@ class Decoding:
         two, layers, _, heads, dim = self.layout.page_shape
         # NOTE: one buffer for the whole sequence, the prompt's KV copied straight from its
         # pages (checked there); the last token's KV is never needed.
-        buf = self.seq_buffers.take(two, layers, n + max(steps, 1) - 1, heads, dim)
-        try:
-            pages_to_kv(prompt_kv_pages, n, self.layout, out=buf)
-        except ValueError:
-            self.seq_buffers.give(buf)
-            raise
+        buf = self.device_pool.data.new_empty((two, layers, n + max(steps, 1) - 1, heads, dim))
+        pages_to_kv(prompt_kv_pages, n, self.layout, out=buf)
         recurrent = self._recurrent(state)
         offloading = None
         if self.offload is not None:
@@ -199,9 +193,6 @@ class Decoding:
         if self.keeper is not None and not seq.kept:
             seq.kept = True
             self._keep(seq)
-        if seq.buf.shape[2]:   # NOTE: offload and keep copied what they took: free again
-            self.seq_buffers.give(seq.buf)
-            seq.buf = seq.buf[:, :, :0]
 
     def _keep(self, seq: DecodeSeq) -> None:
         """The sequence's full pages into decode's prefix cache (a fault there costs only

@@ -51,7 +51,6 @@ from pd_cache.tiering.offload import DecodeOffloadManager
 from pd_cache.worker.cores import Cores
 from pd_cache.worker.decoding import Decoding
 from pd_cache.worker.outputs import Answered, PrefillOutput, PromptState, Result
-from pd_cache.worker.seq_buffers import SeqBuffers
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +86,6 @@ class LocalEngine(Decoding):
         self.device_pool: PagePool = device_pool(self.layout, int(self.config.cache.device_pages),
                                                  device)
         self.host_pool: PagePool = host_pool(self.layout, int(self.config.cache.host_pages))
-        self.seq_buffers = SeqBuffers(self.device_pool.data)
         self.state_every = self.config.cache.state_every_pages
         # NOTE: a node holds a device or a host page, and at most one state: this many state
         # slots never run out.
