@@ -50,6 +50,14 @@ def num_pages_for(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
 
+def page_view(kv: torch.Tensor, page_size: int) -> torch.Tensor:
+    """The full pages of ``kv`` ``[2, L, T, Hkv, D]`` as a strided view ``[T // ps, 2, L, ps,
+    Hkv, D]`` of it, no copy (a partial last page left out): for a reader that copies only
+    the pages it takes, such as a radix insert of pages mostly cached already."""
+    full = kv.shape[2] // page_size
+    return kv[:, :, :full * page_size].unflatten(2, (full, page_size)).permute(2, 0, 1, 3, 4, 5)
+
+
 def kv_to_pages(kv: torch.Tensor, page_size: int,
                 out: torch.Tensor | None = None) -> torch.Tensor:
     """Contiguous ``[2, L, T, Hkv, D]`` -> pages ``[ceil(T/ps), 2, L, ps, Hkv, D]``, zero-padded.
@@ -65,22 +73,12 @@ def kv_to_pages(kv: torch.Tensor, page_size: int,
     elif tuple(out.shape) != shape or out.dtype != kv.dtype or not out.is_contiguous():
         raise ValueError(f"kv_to_pages: out: expected a contiguous {kv.dtype} tensor "
                          f"{list(shape)}, got {out.dtype} {list(out.shape)}")
-    # NOTE: the page view of ``out``: [2, L, n, ps, Hkv, D], token t at [:, :, t // ps, t % ps]
-    view = out.permute(1, 2, 0, 3, 4, 5)
-    view[:, :, :full].copy_(kv[:, :, :full * page_size].unflatten(2, (full, page_size)))
+    out[:full].copy_(page_view(kv, page_size))
     if full < n:
         rest = t - full * page_size
-        view[:, :, full, :rest].copy_(kv[:, :, full * page_size:])
-        view[:, :, full, rest:].zero_()
+        out[full, :, :, :rest].copy_(kv[:, :, full * page_size:])
+        out[full, :, :, rest:].zero_()
     return out
-
-
-def page_view(kv: torch.Tensor, page_size: int) -> torch.Tensor:
-    """The full pages of ``kv`` ``[2, L, T, Hkv, D]`` as a strided view ``[T // ps, 2, L, ps,
-    Hkv, D]`` of it, no copy (a partial last page left out): for a reader that copies only
-    the pages it takes, such as a radix insert of pages mostly cached already."""
-    full = kv.shape[2] // page_size
-    return kv[:, :, :full * page_size].unflatten(2, (full, page_size)).permute(2, 0, 1, 3, 4, 5)
 
 
 def pages_to_kv(pages: torch.Tensor, num_tokens: int, layout: KVLayout,
@@ -96,9 +94,9 @@ def pages_to_kv(pages: torch.Tensor, num_tokens: int, layout: KVLayout,
     """
     check_pages(pages, layout, num_pages=num_pages_for(num_tokens, layout.page_size))
     n, two, layers, ps, heads, dim = pages.shape
-    by_token = pages.permute(1, 2, 0, 3, 4, 5)   # [2, L, n, ps, Hkv, D]
     if out is None:
-        return by_token.reshape(two, layers, n * ps, heads, dim)[:, :, :num_tokens]
+        return pages.permute(1, 2, 0, 3, 4, 5).reshape(two, layers, n * ps, heads,
+                                                      dim)[:, :, :num_tokens]
     fits = (out.ndim == 5 and out.shape[2] >= num_tokens and out.dtype == pages.dtype
             and (*out.shape[:2], *out.shape[3:]) == (two, layers, heads, dim))
     if not fits or not out.is_contiguous():
@@ -106,7 +104,7 @@ def pages_to_kv(pages: torch.Tensor, num_tokens: int, layout: KVLayout,
                          f"[{two}, {layers}, >= {num_tokens}, {heads}, {dim}], got "
                          f"{out.dtype} {list(out.shape)}")
     full = num_tokens // ps
-    out[:, :, :full * ps].unflatten(2, (full, ps)).copy_(by_token[:, :, :full])
+    page_view(out[:, :, :full * ps], ps).copy_(pages[:full])
     if full < n:
-        out[:, :, full * ps:num_tokens].copy_(by_token[:, :, full, :num_tokens - full * ps])
+        out[:, :, full * ps:num_tokens].copy_(pages[full, :, :, :num_tokens - full * ps])
     return out[:, :, :num_tokens]
