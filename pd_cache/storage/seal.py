@@ -258,21 +258,23 @@ class SealedStorage(SubmittedBackend):
         pages = [p for t in transfers for p in t.pages or [] if isinstance(p, PageRecord)]
         if not self.sealer.enabled or not pages:
             return self.inner.submit_set_v2(transfers, _stripped(extra_info))
+        sizes = [sealed_nbytes(p) for p in pages]
         with self._set_lock:
             slots = [None] * len(pages) if self.arena is None else self.arena.grant(
-                transfers, extra_info, [sealed_nbytes(p) for p in pages])
-            sealed = iter(committed_all(self._seal_all(pages, _tenant(extra_info), slots),
-                                        slots))
+                transfers, extra_info, sizes)
+            sealed = iter(committed_all(
+                self._seal_all(pages, _tenant(extra_info), slots, sizes), slots))
             return self.inner.submit_set_v2([t if t.pages is None else msgspec.structs.replace(
                 t, pages=[next(sealed) if isinstance(p, PageRecord) else p for p in t.pages])
                 for t in transfers], _stripped(extra_info))
 
     def _seal_all(self, pages: list[PageRecord], tenant: str,
-                  slots: Sequence[Slotted | None] = ()) -> list[PageRecord]:
+                  slots: Sequence[Slotted | None] = (),
+                  sizes: Sequence[int] = ()) -> list[PageRecord]:
         """``pages`` sealed, each into its arena slot if it has one (``slots``), the rest
         into the scratch buffer when it may hold them; on the spread's threads when they
-        are many bytes."""
-        sizes = [sealed_nbytes(p) for p in pages]
+        are many bytes. ``sizes``: their sealed sizes, when the caller has them."""
+        sizes = list(sizes) or [sealed_nbytes(p) for p in pages]
         slots = list(slots) or [None] * len(pages)
         rest = [n for n, slot in zip(sizes, slots) if slot is None]
         total = sum(sizes)
