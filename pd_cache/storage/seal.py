@@ -269,13 +269,10 @@ class SealedStorage(SubmittedBackend):
                 for t in transfers], _stripped(extra_info))
 
     def _seal_all(self, pages: list[PageRecord], tenant: str,
-                  slots: Sequence[Slotted | None] = (),
-                  sizes: Sequence[int] = ()) -> list[PageRecord]:
-        """``pages`` sealed, each into its arena slot if it has one (``slots``), the rest
-        into the scratch buffer when it may hold them; on the spread's threads when they
-        are many bytes. ``sizes``: their sealed sizes, when the caller has them."""
-        sizes = list(sizes) or [sealed_nbytes(p) for p in pages]
-        slots = list(slots) or [None] * len(pages)
+                  slots: Sequence[Slotted | None], sizes: Sequence[int]) -> list[PageRecord]:
+        """``pages`` sealed, each into its arena slot if it has one (``slots``, one per
+        page), the rest into the scratch buffer when it may hold them; on the spread's
+        threads when they are many bytes. ``sizes``: their sealed sizes."""
         rest = [n for n, slot in zip(sizes, slots) if slot is None]
         total = sum(sizes)
         if sum(rest) > self.scratch_bytes:
