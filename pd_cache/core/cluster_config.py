@@ -23,6 +23,7 @@ from pd_cache.core.config import (
 )
 from pd_cache.core.fields import (
     DISK_RESERVE,
+    WRITE_NICE,
     check_bool,
     check_int_at_least,
     check_non_negative,
@@ -113,6 +114,8 @@ class ClusterConfig:
     offload_min_pages: int = _knob(1, "decode's last write of a request only if it sends at "
                                       "least this many pages (a lone answer page's set "
                                       "costs more CPU than its recompute)")
+    write_nice: int = _knob(WRITE_NICE, "nice value of each worker's L3 write thread (0-19; "
+                                        "0: the worker's own priority)")
     storage_timeout_s: float = _knob(10.0, "bound on any wait for an L3 call (s)")
     storage_restarts: int = _knob(3, "restarts of a storage actor before it stays dead")
     worker_restarts: int = _knob(-1, "restarts of a prefill or decode actor (-1: always)")
@@ -181,4 +184,5 @@ class ClusterConfig:
                                   replicas=self.storage_replicas if self.with_storage else 1,
                                   prefetch_policy=self.prefetch_policy,
                                   offload_min_pages=self.offload_min_pages,
+                                  write_nice=self.write_nice,
                                   metrics_interval_s=self.metrics_interval_s))

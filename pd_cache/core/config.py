@@ -16,6 +16,7 @@ from typing import Any
 
 from pd_cache.core.fields import (
     DISK_RESERVE,
+    WRITE_NICE,
     check,
     check_bool,
     check_disk_reserve,
@@ -163,7 +164,9 @@ class StorageConfig:
     as many distinct pages in the same ``capacity_bytes``. ``offload_min_pages``: decode's
     last write of a request is made only if it sends at least this many pages (a lone
     answer page costs a set call, more CPU than recomputing it; ``1``, the default: every
-    page).
+    page). ``write_nice``: the nice value of each worker's L3 write thread (0-19; 0: the
+    worker's own priority). Those writes are background work: at a lower priority they run
+    on cores the forwards and decode steps leave idle instead of taking turns with them.
     """
 
     enabled: bool = True
@@ -183,6 +186,7 @@ class StorageConfig:
     metrics_interval_s: float = 5.0
     seal: bool = True
     offload_min_pages: int = 1
+    write_nice: int = WRITE_NICE
 
     def __post_init__(self) -> None:
         one_of("storage.backend", self.backend, tuple(sorted(STORAGE_BACKENDS)))
@@ -195,6 +199,8 @@ class StorageConfig:
         check_positive_int("storage.segment_pages", self.segment_pages)
         check_positive_int("storage.replicas", self.replicas)
         check_positive_int("storage.offload_min_pages", self.offload_min_pages)
+        check(type(self.write_nice) is int and 0 <= self.write_nice <= 19, "storage.write_nice",
+              self.write_nice, "an int from 0 to 19")
         check(self.replicas <= self.num_shards, "storage.replicas", self.replicas,
               f"<= storage.num_shards={self.num_shards}")
         one_of("storage.prefetch_policy", self.prefetch_policy, PREFETCH_POLICIES)

@@ -1,7 +1,9 @@
 """The write path: new full pages -> L3 ``batch_set``, on one background thread, in order.
 
 Records and checksums are built on that thread, off the request path; ``flush`` waits for
-what was issued so far. A failed batch stops that write (the pages after it would not
+what was issued so far. The thread runs at ``StorageConfig.write_nice`` (Linux: its own nice
+value), so on a busy node it takes the cores the forwards and decode steps leave idle rather
+than turns with them. A failed batch stops that write (the pages after it would not
 chain from a stored page) and is counted; it never takes the worker down.
 
 Every batch is one ``batch_set_v2``. A hybrid model's write also carries the recurrent
@@ -15,7 +17,10 @@ beside the KV of its pages, the ``state`` of its last page as a trailing sidecar
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
+import sys
 import threading
 import time
 from collections import Counter
@@ -35,12 +40,29 @@ from pd_cache.tiering.link import StorageLink
 log = logging.getLogger("pd_cache.tiering")
 
 
+def lower_thread_priority(nice: int) -> None:
+    """Run the calling thread at nice value ``nice`` if that is lower in priority than it
+    runs now (never higher). Linux only, where each thread has a nice value of its own;
+    best effort: where it cannot be set, the thread keeps its priority."""
+    if not sys.platform.startswith("linux"):
+        return
+    # NOTE: on Linux PRIO_PROCESS with a thread's id sets that thread alone (setpriority(2)).
+    tid = threading.get_native_id()
+    try:
+        if os.getpriority(os.PRIO_PROCESS, tid) < nice:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+    except OSError as e:
+        log.debug("the L3 write thread keeps its priority: %s", e)
+
+
 class BackupWriter:
     """Writes pages of a request's chain to L3 later, in issue order."""
 
     def __init__(self, link: StorageLink) -> None:
         self.link, self.stats = link, link.stats
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="pd-cache-backup")
+        self._writer = ThreadPoolExecutor(
+            1, thread_name_prefix="pd-cache-backup",
+            initializer=functools.partial(lower_thread_priority, link.config.write_nice))
         self._pending: list[Future[None]] = []
         self._lock = threading.Lock()
 

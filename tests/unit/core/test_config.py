@@ -36,6 +36,9 @@ from pd_cache.kv.pages import kv_torch_dtype
     (lambda: StorageConfig(disk_reserve=float("inf")), "disk_reserve"),
     (lambda: StorageConfig(prefetch_timeout_max_s=-1), "prefetch_timeout_max_s"),
     (lambda: StorageConfig(offload_min_pages=0), "offload_min_pages"),
+    (lambda: StorageConfig(write_nice=20), "write_nice"),
+    (lambda: StorageConfig(write_nice=-1), "write_nice"),
+    (lambda: StorageConfig(write_nice=True), "write_nice"),
     (lambda: PDCacheConfig(model=ModelConfig(max_context=8), cache=CacheConfig(page_size=16)),
      "page_size"),
 ])

@@ -8,6 +8,7 @@ their three states and are never mutated after they were handed over.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
 import time
 
@@ -257,6 +258,37 @@ def test_backup_runs_off_the_request_path_and_flush_waits() -> None:
     assert engine.flush(timeout=10)
     assert store.inner.batch_exists(page_hashes(p, PS)) == len(p) // PS
     assert engine.stats.get("backup", "page") == len(p) // PS
+    engine.close()
+
+
+def _nice_of_thread(tid: int) -> int:
+    """The kernel's nice value of thread ``tid`` of this process (``stat`` field 19)."""
+    with open(f"/proc/self/task/{tid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[16])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+@pytest.mark.parametrize("write_nice", [10, 0])
+def test_backup_writes_run_at_the_write_nice_and_the_caller_keeps_its_own(
+        write_nice: int) -> None:
+    cfg = config(batch=3, write_nice=write_nice)
+    setters: list[int] = []
+
+    class SetThreads(Wrapper):
+        def batch_set_v2(self, transfers, extra_info=None):
+            setters.append(threading.get_native_id())
+            return super().batch_set_v2(transfers, extra_info)
+
+    store = SetThreads(make_backend(cfg.storage, cfg.layout))
+    engine = LocalEngine(cfg, storage=store)
+    own = _nice_of_thread(threading.get_native_id())
+    p = prompt(13, 42)
+    engine.prefill(Req(rid="r", input_ids=p, max_new_tokens=1))
+    assert engine.flush(10)
+    assert store.inner.batch_exists(page_hashes(p, PS)) == len(p) // PS   # nothing lost
+    assert len(set(setters)) == 1 and setters[0] != threading.get_native_id()
+    assert _nice_of_thread(setters[0]) == max(own, write_nice)
+    assert _nice_of_thread(threading.get_native_id()) == own
     engine.close()
 
 
