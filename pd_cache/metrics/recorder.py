@@ -179,6 +179,10 @@ class PDCacheMetrics:
         """One request's write to L3: the pages (bytes) L3 acknowledged, and how it ended."""
         self._transfer("backup", pages, nbytes, seconds, backend=backend, outcome=outcome)
 
+    def observe_backup_wait(self, seconds: float, backend: str = "memory") -> None:
+        """How long one request's write to L3 waited for the write thread to begin it."""
+        self._record("pd_cache_backup_wait_seconds", seconds, "seconds", backend=backend)
+
     def observe_handoff(self, pages: int, nbytes: int, seconds: float) -> None:
         self._transfer("handoff", pages, nbytes, seconds)
 

@@ -124,6 +124,9 @@ METRICS: tuple[MetricSpec, ...] = (
     _c("pd_cache_backup_bytes_total", _XFER, "Bytes written to L3."),
     _h("pd_cache_backup_seconds", _XFER, "Duration of one request's write to L3 (every "
        "batch).", TRANSFER_BUCKETS),
+    _h("pd_cache_backup_wait_seconds", ("backend",), "Time one request's write to L3 waited "
+       "for its worker's write thread (issued to begun: the thread's backlog).",
+       TRANSFER_BUCKETS),
     _c("pd_cache_handoff_pages_total", (), "KV pages handed from prefill to decode."),
     _c("pd_cache_handoff_bytes_total", (), "KV bytes handed from prefill to decode."),
     _h("pd_cache_handoff_seconds", (), "Duration of one prefill -> decode KV handoff.",

@@ -108,7 +108,7 @@ class BackupWriter:
         self.link.held.writing(chain.names)
         try:
             job = self._writer.submit(self._write, req, chain, tokens, snapshot, kept,
-                                      skip_stored, kind, kinds, pinned)
+                                      skip_stored, kind, kinds, pinned, time.perf_counter())
         except BaseException:
             self.link.held.written(chain.names)
             raise
@@ -118,8 +118,9 @@ class BackupWriter:
 
     def _write(self, req: Req, chain: Chain, tokens: list[int], pages: torch.Tensor,
                states: dict[int, torch.Tensor], skip_stored: bool, kind: str,
-               kinds: list[str] | None, pinned: int | None) -> None:
+               kinds: list[str] | None, pinned: int | None, issued: float) -> None:
         started, start, stored = time.perf_counter(), len(chain.names), 0
+        self.link.observe_wait(issued, started)
         pinned = len(chain.names) if pinned is None or not req.pin_ttl_s else pinned
         try:
             start = self.link.query(req, chain, count=False) if skip_stored else 0

@@ -138,6 +138,13 @@ class StorageLink:
                     type(error).__name__, str(error)[:200])
         self.stats.count(Event.MISS, reason, num_pages or 1)
 
+    def observe_wait(self, issued: float, started: float) -> None:
+        """Record how long a write issued at ``issued`` waited until ``started`` (both
+        ``time.perf_counter()``) for the write thread."""
+        if self.metrics is not None:
+            self.metrics.observe_backup_wait(max(0.0, started - issued),
+                                             backend=self.config.backend)
+
     def observe(self, what: str, pages: int, wanted: int, started: float) -> None:
         """Record one request's ``what`` (prefetch | backup) that moved ``pages`` of the
         ``wanted`` it tried, begun at ``started`` (``time.perf_counter()``)."""

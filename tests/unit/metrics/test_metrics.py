@@ -74,6 +74,7 @@ def test_every_instrument_is_served_over_http(served):
     metrics.observe_prefetch(4, 4096, 0.003, backend="disk")
     metrics.observe_prefetch(2, 2048, 0.2, backend="disk", outcome="short")
     metrics.observe_backup(5, 5120, 0.04)
+    metrics.observe_backup_wait(0.3)
     metrics.observe_handoff(6, 6144, 0.0007)
     metrics.count_kept(3, 3072, {"device": 2, "host": 1, "storage": 0})
     metrics.count_offload("prompt", 2)
@@ -100,6 +101,7 @@ def test_every_instrument_is_served_over_http(served):
     for spec in METRICS:  # every instrument is exported, under its documented name
         assert set(spec.series()) <= names, spec.name
 
+    assert value(got, "pd_cache_backup_wait_seconds_sum", backend="memory") == 0.3
     assert value(got, "pd_cache_handoff_kept_pages_total") == 3
     assert value(got, "pd_cache_handoff_kept_bytes_total") == 3072
     assert value(got, "pd_cache_decode_cache_hits_pages_total", tier="host") == 1

@@ -5,6 +5,7 @@ workload itself counted."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from pd_cache.core.hashing import page_hashes
@@ -109,6 +110,27 @@ def test_a_refused_write_is_counted_by_outcome() -> None:
         want = {o: float(o == outcome) for o in ("ok", "short", "failed")}
         assert by_outcome(m, "pd_cache_backup_seconds_count") == want
         assert sum(by_outcome(m, "pd_cache_backup_pages_total").values()) == stored
+
+
+def test_a_write_queued_behind_another_records_its_wait() -> None:
+    cfg = config(batch=3)
+    m = PDCacheMetrics("prometheus")
+    store = SetGate(make_backend(cfg.storage, cfg.layout))
+    engine = LocalEngine(cfg, storage=store, metrics=m)
+    for i in (21, 22):   # two writes issued; the first is held at its set
+        engine.prefill(Req(rid=f"r{i}", input_ids=prompt(i, 42), max_new_tokens=1))
+    held = time.perf_counter()
+    time.sleep(0.3)      # the second write cannot begin before the first ends, after this
+    store.gate.set()
+    assert engine.flush(10)
+    held = time.perf_counter() - held
+    engine.close()
+    wait = "pd_cache_backup_wait_seconds"
+    assert value(m, f"{wait}_count", backend="memory") == 2
+    assert value(m, f"{wait}_sum", backend="memory") >= 0.3
+    # the second write's wait (at least the hold) lies above the 0.25 s bucket
+    assert value(m, f"{wait}_bucket", backend="memory", le="0.25") <= 1
+    assert value(m, f"{wait}_sum", backend="memory") <= 2 * held   # each at most the run
 
 
 def test_the_docs_table_is_the_generated_one() -> None:
