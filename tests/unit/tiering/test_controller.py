@@ -22,6 +22,7 @@ from pd_cache.core.vocab import PREFETCH_ACK, PREFETCH_BATCH, Event, MissReason
 from pd_cache.storage import make_backend
 from pd_cache.tiering.controller import CacheController
 from pd_cache.worker.engine import LocalEngine
+from tests.unit.processes import thread_nices
 from tests.unit.tiering.fakes import (
     PS,
     Delayed,
@@ -261,12 +262,6 @@ def test_backup_runs_off_the_request_path_and_flush_waits() -> None:
     engine.close()
 
 
-def _nice_of_thread(tid: int) -> int:
-    """The kernel's nice value of thread ``tid`` of this process (``stat`` field 19)."""
-    with open(f"/proc/self/task/{tid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[16])
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
 @pytest.mark.parametrize("write_nice", [10, 0])
 def test_backup_writes_run_at_the_write_nice_and_the_caller_keeps_its_own(
@@ -281,14 +276,15 @@ def test_backup_writes_run_at_the_write_nice_and_the_caller_keeps_its_own(
 
     store = SetThreads(make_backend(cfg.storage, cfg.layout))
     engine = LocalEngine(cfg, storage=store)
-    own = _nice_of_thread(threading.get_native_id())
+    own = thread_nices()[threading.get_native_id()]
     p = prompt(13, 42)
     engine.prefill(Req(rid="r", input_ids=p, max_new_tokens=1))
     assert engine.flush(10)
     assert store.inner.batch_exists(page_hashes(p, PS)) == len(p) // PS   # nothing lost
     assert len(set(setters)) == 1 and setters[0] != threading.get_native_id()
-    assert _nice_of_thread(setters[0]) == max(own, write_nice)
-    assert _nice_of_thread(threading.get_native_id()) == own
+    nices = thread_nices()
+    assert nices[setters[0]] == max(own, write_nice)
+    assert nices[threading.get_native_id()] == own
     engine.close()
 
 
