@@ -165,8 +165,7 @@ class StorageConfig:
     last write of a request is made only if it sends at least this many pages (a lone
     answer page costs a set call, more CPU than recomputing it; ``1``, the default: every
     page). ``write_nice``: the nice value of each worker's L3 write thread (0-19; 0: the
-    worker's own priority). Those writes are background work: at a lower priority they run
-    on cores the forwards and decode steps leave idle instead of taking turns with them.
+    worker's own priority; never raised: a Ray worker, at nice 15, keeps 15).
     """
 
     enabled: bool = True

@@ -20,8 +20,9 @@ T = TypeVar("T")
 # NOTE: 5% of the disk backend's filesystem stays free: room for the OS, logs and the
 # temporary file of a write in flight, on a disk shared with other services.
 DISK_RESERVE = 0.05
-# NOTE: bench_pd, three + three runs alternating, twice: the cache-on run about 4% shorter
-# with the L3 write threads at nice 10 than at the workers' own priority (docs/benchmarks.md).
+# NOTE: a write thread is only ever lowered to this. Ray starts its worker processes at nice 15
+# (RAY_worker_niceness) and their Python threads inherit it, so in a Ray worker this changes
+# nothing (docs/benchmarks.md: the A/B that seemed to favour it measured noise).
 WRITE_NICE = 10
 
 

@@ -1,9 +1,10 @@
 """The write path: new full pages -> L3 ``batch_set``, on one background thread, in order.
 
 Records and checksums are built on that thread, off the request path; ``flush`` waits for
-what was issued so far. The thread runs at ``StorageConfig.write_nice`` (Linux: its own nice
-value), so on a busy node it takes the cores the forwards and decode steps leave idle rather
-than turns with them. A failed batch stops that write (the pages after it would not
+what was issued so far. The thread is lowered to ``StorageConfig.write_nice`` (Linux: its
+own nice value), never raised: below the forwards and decode steps it takes the cores they
+leave idle. A Ray worker's threads already run at nice 15 (``RAY_worker_niceness``), which
+the default (10) leaves as it is. A failed batch stops that write (the pages after it would not
 chain from a stored page) and is counted; it never takes the worker down.
 
 Every batch is one ``batch_set_v2``. A hybrid model's write also carries the recurrent
