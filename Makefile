@@ -15,11 +15,11 @@ $(PY):
 
 # NOTE: `make run` writes plots, so its install has the plots extra (matplotlib);
 # `pip install pd-cache` stays without it and `pd-cache bench` then skips the plots.
-$(VENV)/.installed: pyproject.toml setup.py pd_cache/core/_chain.c | $(PY)
+$(VENV)/.installed: pyproject.toml setup.py pd_cache/core/_chain.c pd_cache/model/_attend.c | $(PY)
 	$(PIP) install --quiet -e '.[plots]'
 	touch $@
 
-$(VENV)/.installed-test: pyproject.toml setup.py pd_cache/core/_chain.c | $(PY)
+$(VENV)/.installed-test: pyproject.toml setup.py pd_cache/core/_chain.c pd_cache/model/_attend.c | $(PY)
 	$(PIP) install --quiet -e '.[test,hf]'
 	touch $@ $(VENV)/.installed
 

@@ -43,11 +43,14 @@ BENCHMARKS = {
 
 
 def checkout(rev: str, into: Path) -> Path:
-    """A detached worktree of ``rev`` with this checkout's compiled hash loop, if any."""
+    """A detached worktree of ``rev`` with this checkout's compiled C loops (the hash chain,
+    decode's attention), each where ``rev`` has its source."""
     subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(into),
                     rev], check=True)
-    for built in (ROOT / "pd_cache" / "core").glob("_chain*.so"):
-        shutil.copy2(built, into / "pd_cache" / "core" / built.name)
+    for built in (ROOT / "pd_cache").glob("*/_*.so"):
+        place = into / built.relative_to(ROOT)
+        if place.with_name(built.name.split(".")[0] + ".c").exists():
+            shutil.copy2(built, place)
     return into
 
 

@@ -26,6 +26,7 @@ from torch import nn
 
 from pd_cache.core.config import ModelConfig
 from pd_cache.kv.pages import kv_torch_dtype
+from pd_cache.model.native import attend_native
 
 
 def weight(g: torch.Generator, rows: int, cols: int) -> nn.Parameter:
@@ -187,9 +188,13 @@ def attend_step(q: torch.Tensor, new: torch.Tensor, bufs: Sequence[torch.Tensor]
     and attends query ``q[b]`` ``[H, D]`` over keys ``0 .. positions[b]``; ``[B, H * D]``."""
     num_kv_heads, head_dim = new.shape[2], new.shape[3]
     g = q.shape[1] // num_kv_heads
-    outs = []
     for i, (buf, p) in enumerate(zip(bufs, positions, strict=True)):
         buf[:, layer, p] = new[i]
+    fast = attend_native(q, bufs, layer, positions)   # float32 KV, an AVX2 CPU
+    if fast is not None:
+        return fast
+    outs = []
+    for i, (buf, p) in enumerate(zip(bufs, positions, strict=True)):
         kv = buf[:, layer, :p + 1].float().transpose(1, 2)   # [2, Hkv, P + 1, D]
         # NOTE: one query token: the g query heads of a KV group are folded into the
         # query rows of that group (``[1, Hkv, g, D]``), so no mask and no GQA expansion.
