@@ -92,6 +92,9 @@ def attend_native(q: torch.Tensor, bufs: Sequence[torch.Tensor], layer: int,
     if attend is None or not bufs or q.dtype != torch.float32 or q.device.type != "cpu":
         return None
     kv_heads, dim = bufs[0].shape[3], bufs[0].shape[4]
+    if q.shape != (len(bufs), q.shape[1], dim) or len(positions) != len(bufs):
+        raise ValueError(f"attend_native: queries {tuple(q.shape)} for {len(bufs)} buffers "
+                         f"of head size {dim} and {len(positions)} positions")
     if dim % 8 or dim > MAX_HEAD_DIM or q.shape[1] % kv_heads:
         return None
     for buf, p in zip(bufs, positions, strict=True):

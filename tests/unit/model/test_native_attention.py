@@ -78,9 +78,13 @@ def test_torch_serves_what_the_kernel_does_not():
     assert native.attend_native(q, half, 0, [9]) is None               # another KV dtype
     wide = buffers(lens, 2, 32)[0].transpose(3, 4).contiguous().transpose(3, 4)
     assert native.attend_native(q, [wide], 0, [9]) is None             # rows not contiguous
-    assert native.attend_native(q, buffers(lens, 2, 12), 0, [9]) is None   # head dim 12
+    assert native.attend_native(torch.randn(1, 8, 12), buffers(lens, 2, 12), 0, [9]) is None
     with pytest.raises(ValueError, match="position 15 is outside a buffer of 15 tokens"):
         native.attend_native(q, buffers(lens, 2, 32), 0, [15])
+    with pytest.raises(ValueError, match=r"queries \(1, 8, 16\) for 1 buffers of head size 32"):
+        native.attend_native(torch.randn(1, 8, 16), buffers(lens, 2, 32), 0, [9])
+    with pytest.raises(ValueError, match=r"queries \(1, 8, 32\) for 2 buffers"):
+        native.attend_native(q, buffers([10, 10], 2, 32), 0, [9, 9])
 
 
 def test_the_environment_switch_keeps_torch(torch_only):
