@@ -26,7 +26,7 @@ from torch import nn
 
 from pd_cache.core.config import ModelConfig
 from pd_cache.kv.pages import kv_torch_dtype
-from pd_cache.model.native import attend_native
+from pd_cache.model.native import attend_native, attend_torch
 
 
 def weight(g: torch.Generator, rows: int, cols: int) -> nn.Parameter:
@@ -186,18 +186,12 @@ def attend_step(q: torch.Tensor, new: torch.Tensor, bufs: Sequence[torch.Tensor]
     """One decode step of attention for ``B`` sequences, each over its own buffer: writes
     row ``b``'s new K and V (``new[b]`` ``[2, Hkv, D]``) at ``positions[b]`` of ``bufs[b]``
     and attends query ``q[b]`` ``[H, D]`` over keys ``0 .. positions[b]``; ``[B, H * D]``."""
-    num_kv_heads, head_dim = new.shape[2], new.shape[3]
-    g = q.shape[1] // num_kv_heads
     for i, (buf, p) in enumerate(zip(bufs, positions, strict=True)):
         buf[:, layer, p] = new[i]
     fast = attend_native(q, bufs, layer, positions)   # float32 KV, an AVX2 CPU
     if fast is not None:
         return fast
-    outs = []
-    for i, (buf, p) in enumerate(zip(bufs, positions, strict=True)):
-        kv = buf[:, layer, :p + 1].float().transpose(1, 2)   # [2, Hkv, P + 1, D]
-        # NOTE: one query token: the g query heads of a KV group are folded into the
-        # query rows of that group (``[1, Hkv, g, D]``), so no mask and no GQA expansion.
-        outs.append(F.scaled_dot_product_attention(
-            q[i].view(1, num_kv_heads, g, head_dim), kv[0:1], kv[1:2]))
-    return torch.cat(outs).reshape(q.shape[0], -1)
+    group = q.shape[1] // new.shape[2]
+    return torch.cat([attend_torch(q[i], buf[:, layer, :p + 1], group)
+                      for i, (buf, p) in enumerate(zip(bufs, positions, strict=True))]
+                     ).reshape(q.shape[0], -1)

@@ -42,7 +42,7 @@ def probe(attend: Callable[..., None]) -> float:
     for kv_heads, group, dim, lens in ((2, 4, 32, (1, 7, 8, 9, 70)), (3, 1, 16, (5, 64))):
         bufs = [torch.randn(2, 1, n + 3, kv_heads, dim, generator=g) for n in lens]
         q = torch.randn(len(lens), kv_heads * group, dim, generator=g)
-        want = torch.cat([reference(q[i], buf[:, 0, :n], group)
+        want = torch.cat([attend_torch(q[i], buf[:, 0, :n], group)
                           for i, (buf, n) in enumerate(zip(bufs, lens, strict=True))])
         got = torch.empty_like(q)
         attend(q.data_ptr(), got.data_ptr(), [b[0, 0].data_ptr() for b in bufs],
@@ -52,10 +52,13 @@ def probe(attend: Callable[..., None]) -> float:
     return worst
 
 
-def reference(q: torch.Tensor, kv: torch.Tensor, group: int) -> torch.Tensor:
-    """Torch's answer for one sequence: query ``q`` ``[H, D]`` over ``kv`` ``[2, T, Hkv, D]``
-    (the ``group`` query heads of a KV head folded into its query rows) -> ``[1, H, D]``."""
+def attend_torch(q: torch.Tensor, kv: torch.Tensor, group: int) -> torch.Tensor:
+    """Torch's kernel for one sequence: query ``q`` ``[H, D]`` over ``kv`` ``[2, T, Hkv, D]``
+    -> ``[1, H, D]``. What serves where the C kernel does not, and what the probe checks
+    it against."""
     kv = kv.float().transpose(1, 2)   # [2, Hkv, T, D]
+    # NOTE: one query token: the ``group`` query heads of a KV head are folded into the
+    # query rows of that head (``[1, Hkv, group, D]``), so no mask and no GQA expansion.
     out = F.scaled_dot_product_attention(q.view(1, kv.shape[1], group, q.shape[-1]),
                                          kv[0:1], kv[1:2])
     return out.reshape(1, -1, q.shape[-1])
@@ -113,4 +116,4 @@ def attend_native(q: torch.Tensor, bufs: Sequence[torch.Tensor], layer: int,
     return out.reshape(q.shape[0], -1)
 
 
-__all__ = ["attend_native", "kernel", "probe", "reference"]
+__all__ = ["attend_native", "attend_torch", "kernel", "probe"]

@@ -35,7 +35,7 @@ def buffers(lens, kv_heads, dim, *, layers=2, scale=1.0, seed=0):
 
 
 def torch_answer(q, bufs, layer, lens, group):
-    return torch.cat([native.reference(q[i], buf[:, layer, :n], group)
+    return torch.cat([native.attend_torch(q[i], buf[:, layer, :n], group)
                       for i, (buf, n) in enumerate(zip(bufs, lens, strict=True))]
                      ).reshape(len(lens), -1)
 
