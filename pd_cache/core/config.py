@@ -166,6 +166,9 @@ class StorageConfig:
     answer page costs a set call, more CPU than recomputing it; ``1``, the default: every
     page). ``write_nice``: the nice value of each worker's L3 write thread (0-19; 0: the
     worker's own priority; never raised: a Ray worker, at nice 15, keeps 15).
+    ``arena_prefault``: a ``memory`` shard in Ray allocates its arena's memory (its share of
+    ``capacity_bytes``) when it starts, instead of page by page as writers first fill its
+    slots (``pd_cache.storage.arena``).
     """
 
     enabled: bool = True
@@ -186,6 +189,7 @@ class StorageConfig:
     seal: bool = True
     offload_min_pages: int = 1
     write_nice: int = WRITE_NICE
+    arena_prefault: bool = True
 
     def __post_init__(self) -> None:
         one_of("storage.backend", self.backend, tuple(sorted(STORAGE_BACKENDS)))
@@ -200,6 +204,7 @@ class StorageConfig:
         check_positive_int("storage.offload_min_pages", self.offload_min_pages)
         check(type(self.write_nice) is int and 0 <= self.write_nice <= 19, "storage.write_nice",
               self.write_nice, "an int from 0 to 19")
+        check_bool("storage.arena_prefault", self.arena_prefault)
         check(self.replicas <= self.num_shards, "storage.replicas", self.replicas,
               f"<= storage.num_shards={self.num_shards}")
         one_of("storage.prefetch_policy", self.prefetch_policy, PREFETCH_POLICIES)

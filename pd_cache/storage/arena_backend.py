@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from pd_cache.core.config import KVLayout
+from pd_cache.core.config import KVLayout, StorageConfig
 from pd_cache.core.vocab import Event, MissReason
 from pd_cache.storage.arena import Arena, Grant, SlotTable
 from pd_cache.storage.arena_record import ArenaRecord, Lost, Where, slot_payloads
@@ -39,10 +39,11 @@ def slot_bytes(layout: KVLayout) -> int:
 
 
 class ArenaBackend(SharedMemoryBackend):
-    """:class:`SharedMemoryBackend` plus an arena of ``capacity_bytes // slot`` slots."""
+    """:class:`SharedMemoryBackend` plus an arena of ``capacity_bytes // slot`` slots, its
+    memory faulted in when it is made with ``prefault`` (``StorageConfig.arena_prefault``)."""
 
     def __init__(self, layout: KVLayout, capacity_bytes: int, *,
-                 algo: str = "xxh3_128") -> None:
+                 algo: str = "xxh3_128", prefault: bool = True) -> None:
         super().__init__(layout, capacity_bytes, algo=algo)
         size = slot_bytes(layout)
         slots = capacity_bytes // size
@@ -51,9 +52,18 @@ class ArenaBackend(SharedMemoryBackend):
             self.arena = Arena.create(size, slots) if slots else None
         except OSError as e:   # NOTE: no memfd here: every record takes the object store
             log.warning("L3 shard without an arena: %s", e)
+        if self.arena is not None and prefault and not self.arena.prefault():
+            log.info("L3 shard arena: pages come in on first write (no MADV_POPULATE_WRITE)")
         self.table = SlotTable(slots)
         self._grants = 0   # arena_grant calls answered
         self._held: dict[Slot, Where] = {}
+
+    @classmethod
+    def from_config(cls, config: StorageConfig, layout: KVLayout, *, algo: str = "xxh3_128",
+                    shard: int = 0) -> ArenaBackend:
+        """The arena backend of one shard, holding its share of ``config.capacity_bytes``."""
+        return cls(layout, config.shard_capacity_bytes, algo=algo,
+                   prefault=config.arena_prefault)
 
     # -- writes ---------------------------------------------------------------------------
     def arena_grant(self, sizes: Sequence[int], node: str, spare: int = 0) -> Grant:

@@ -9,6 +9,7 @@ import os
 import pickle
 import subprocess
 import sys
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -131,3 +132,28 @@ def test_uncommitted_and_stale_slots_are_refused_and_freed_slots_reused() -> Non
         opened = sealer.open(page, TENANT)
         assert opened.record is not None and torch.equal(
             opened.record.payload().view(torch.uint8), want.payload().view(torch.uint8))
+
+
+def _shmem_kib() -> int:
+    """This process's resident shared memory (``RssShmem``), as the kernel counts it."""
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines()
+                if x.startswith("RssShmem:"))
+    return int(line.split()[1])
+
+
+@pytest.mark.parametrize("prefault", [True, False])
+def test_a_prefaulted_arena_holds_its_memory_from_the_start(prefault: bool) -> None:
+    """``arena_prefault``: the shard's memory is in before any write (the kernel's count of
+    this process's shared pages grows by the arena's slots), and a writer's first use of a
+    slot has nothing left to fault in; without it nothing is in until a slot is written."""
+    before = _shmem_kib()
+    backend = ArenaBackend(layout_for(), 8 << 20, prefault=prefault)
+    arena = backend.arena
+    assert arena is not None
+    grown = _shmem_kib() - before
+    data_kib = arena.info.slots * arena.info.slot_bytes // 1024
+    if prefault:
+        assert grown >= data_kib * 0.95 and bool(arena._ready.all())
+    else:
+        assert grown < data_kib * 0.05 and not arena._ready.any()
+    arena.close()
