@@ -57,6 +57,16 @@ TARGET static inline __m256 hsum8(const __m256 *a) {
                          _mm256_permute2f128_ps(lo, hi, 0x31));
 }
 
+/* The 8-lane partial products of query q and row `row` (D = 8 * nv floats each): their
+ * lanes sum to the dot product. */
+TARGET static inline __attribute__((always_inline)) __m256
+dot_lanes(const float *q, const float *row, const int nv) {
+    __m256 a = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(row));
+    for (int c = 1; c < nv; c++)
+        a = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), _mm256_loadu_ps(row + 8 * c), a);
+    return a;
+}
+
 /* One KV head of one sequence: queries q[g][D] -> out[g][D]; rows t of K and V at
  * k + t * stride (floats); scratch holds g * T scores. D is a multiple of 8, at most 128.
  * Tokens go in blocks that stay in L1 while every query of the group reads them. */
@@ -78,26 +88,15 @@ attend_head(const float *q, float *out, const float *k, const float *v, Py_ssize
         for (int j = 0; j < g; j++) {
             const float *qj = q + (Py_ssize_t)j * D;
             __m256 acc[8];
-            for (int u = 0; u < 8; u++) {
-                const float *row = k + (t + u) * stride;
-                __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qj), _mm256_loadu_ps(row));
-                for (int c = 1; c < nv; c++)
-                    a = _mm256_fmadd_ps(_mm256_loadu_ps(qj + 8 * c),
-                                        _mm256_loadu_ps(row + 8 * c), a);
-                acc[u] = a;
-            }
+            for (int u = 0; u < 8; u++)
+                acc[u] = dot_lanes(qj, k + (t + u) * stride, nv);
             _mm256_storeu_ps(scores + (Py_ssize_t)j * T + t, _mm256_mul_ps(hsum8(acc), vscale));
         }
     }
     for (; t < T; t++) {
         const float *row = k + t * stride;
-        for (int j = 0; j < g; j++) {
-            const float *qj = q + (Py_ssize_t)j * D;
-            __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qj), _mm256_loadu_ps(row));
-            for (int c = 1; c < nv; c++)
-                a = _mm256_fmadd_ps(_mm256_loadu_ps(qj + 8 * c), _mm256_loadu_ps(row + 8 * c), a);
-            scores[(Py_ssize_t)j * T + t] = hsum(a) * scale;
-        }
+        for (int j = 0; j < g; j++)
+            scores[(Py_ssize_t)j * T + t] = hsum(dot_lanes(q + (Py_ssize_t)j * D, row, nv)) * scale;
     }
     float inv[g];
     for (int j = 0; j < g; j++) {   /* softmax's numerators in place; their sum's inverse */
