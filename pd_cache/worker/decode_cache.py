@@ -206,8 +206,9 @@ class DecodeCache:
                                      f"{info.sent_pages} after the {kept} kept")
                 # NOTE: one page tensor for the whole prompt: the kept pages read straight
                 # into its head, the received ones copied after them.
-                pages = self.engine.device_pool.data.new_empty(
-                    (kept + received.shape[0], *self.engine.layout.page_shape))
+                pages = self.engine.buffers.take(
+                    (kept + received.shape[0], *self.engine.layout.page_shape),
+                    self.engine.device_pool.data)
                 seam_ok = self._seam_ok(req, held.match if held else None, info, kept)
                 by_tier = self._read(req, info, held if seam_ok else None, pages[:kept])
             finally:

@@ -31,6 +31,7 @@ from pd_cache.kv.state import checkpoints
 from pd_cache.model.model import Model, sample
 from pd_cache.model.model import check_state as check_model_state
 from pd_cache.tiering.offload import DecodeOffloadManager
+from pd_cache.worker.buffers import Buffers
 from pd_cache.worker.cores import Cores
 from pd_cache.worker.outputs import DecodeSeq, PromptState
 
@@ -51,6 +52,7 @@ class Decoding:
     layout: KVLayout
     keeper: Keeper | None = None
     cores: Cores
+    buffers: Buffers
 
     def _check_request(self, req: Req) -> None:
         req.check_model(vocab_size=self.config.model.vocab_size,
@@ -99,7 +101,9 @@ class Decoding:
                      l3_pages: int | None = None) -> DecodeSeq:
         """Check the handoff, copy the prompt's KV (and state) into private buffers, start
         offload under the prompt's page ``names`` (of which L3 holds the first
-        ``l3_pages``, as prefill said; ``None``: unknown, offload asks)."""
+        ``l3_pages``, as prefill said; ``None``: unknown, offload asks). Pages lent by
+        ``self.buffers`` (the tensor decode's cache joined for this request) go back to
+        it once copied: the caller does not use them after."""
         self._check_request(req)
         if num_prompt_tokens != len(req.input_ids):
             raise ValueError(f"num_prompt_tokens: {num_prompt_tokens} != prompt length "
@@ -112,9 +116,12 @@ class Decoding:
         n, steps = num_prompt_tokens, req.max_new_tokens
         two, layers, _, heads, dim = self.layout.page_shape
         # NOTE: one buffer for the whole sequence, the prompt's KV copied straight from its
-        # pages (checked there); the last token's KV is never needed.
-        buf = self.device_pool.data.new_empty((two, layers, n + max(steps, 1) - 1, heads, dim))
+        # pages (checked there); the last token's KV is never needed. A page tensor decode
+        # joined for this request alone (``self.buffers``') is handed back once copied.
+        buf = self.buffers.take((two, layers, n + max(steps, 1) - 1, heads, dim),
+                                self.device_pool.data)
         pages_to_kv(prompt_kv_pages, n, self.layout, out=buf)
+        self.buffers.give(prompt_kv_pages)
         recurrent = self._recurrent(state)
         offloading = None
         if self.offload is not None:
@@ -143,6 +150,9 @@ class Decoding:
         live = [s for s in seqs if not s.done]
         if not live:
             return
+        ended = [s.req.rid for s in live if s.ended]
+        if ended:   # NOTE: their buffers may be another sequence's by now
+            raise ValueError(f"decode_step: requests {ended} ended (stop_decode) already")
         states = [s.recurrent for s in live] if self.layout.has_state else None
         with self.cores.step():
             logits = self.model.decode_step([s.tokens[-1] for s in live],
@@ -193,6 +203,9 @@ class Decoding:
         if self.keeper is not None and not seq.kept:
             seq.kept = True
             self._keep(seq)
+        if not seq.ended:   # NOTE: offload and keep copied what they took of the buffer
+            seq.ended = True
+            self.buffers.give(seq.buf)
 
     def _keep(self, seq: DecodeSeq) -> None:
         """The sequence's full pages into decode's prefix cache (a fault there costs only

@@ -48,6 +48,7 @@ from pd_cache.model.model import sample
 from pd_cache.storage.base import StorageBackend
 from pd_cache.tiering.controller import CacheController, StoredPages
 from pd_cache.tiering.offload import DecodeOffloadManager
+from pd_cache.worker.buffers import Buffers
 from pd_cache.worker.cores import Cores
 from pd_cache.worker.decoding import Decoding
 from pd_cache.worker.outputs import Answered, PrefillOutput, PromptState, Result
@@ -83,6 +84,7 @@ class LocalEngine(Decoding):
         self.page_size = self.config.cache.page_size
         self.model = build_model(self.config.model, device)
         self.stats = Stats()
+        self.buffers = Buffers()   # decode's per-request buffers, reused
         self.device_pool: PagePool = device_pool(self.layout, int(self.config.cache.device_pages),
                                                  device)
         self.host_pool: PagePool = host_pool(self.layout, int(self.config.cache.host_pages))

@@ -118,6 +118,7 @@ class DecodeSeq:
     # checkpoint pages, and whether the sequence's pages went into the cache already.
     kept_states: dict[int, torch.Tensor] = field(default_factory=dict)
     kept: bool = False
+    ended: bool = False   # stopped: ``buf`` went back to the engine's buffers
 
     @property
     def done(self) -> bool:
