@@ -12,7 +12,7 @@ from pd_cache.storage import make_backend
 from pd_cache.worker.buffers import MIN_BYTES, Buffers
 from pd_cache.worker.workers import DecodeWorker, PrefillWorker
 from tests.unit.tiering.fakes import SMALL, prompt
-from tests.unit.worker.test_decode_cache import clean, turn
+from tests.unit.worker.handoff import clean, turn
 
 LIKE = torch.zeros(1)
 

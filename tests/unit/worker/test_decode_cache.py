@@ -19,16 +19,10 @@ from pd_cache.model.model import Model, reference_generate
 from pd_cache.storage import make_backend
 from pd_cache.worker.workers import DecodeWorker, PrefillWorker
 from tests.unit.tiering.fakes import PS, SMALL, prompt
+from tests.unit.worker.handoff import clean, turn
 
 HYBRID = dataclasses.replace(SMALL, model=ModelConfig.preset("tiny-hybrid"),
                              cache=dataclasses.replace(SMALL.cache, state_every_pages=2))
-
-
-def turn(p: PrefillWorker, d: DecodeWorker, req: Req, reserve: bool = True) -> tuple:
-    kept = d.reserve(req) if reserve else 0
-    info, pages, states = p.prefill(req, kept)
-    assert pages.shape[0] == info.sent_pages == info.num_kv_pages - kept
-    return d.decode(req, info, pages, states=states), info
 
 
 def after_a_first_turn(seeds: tuple[int, int], lengths: tuple[int, int]
@@ -41,14 +35,6 @@ def after_a_first_turn(seeds: tuple[int, int], lengths: tuple[int, int]
     out1, _ = turn(p, d, one)
     ids = one.input_ids + out1.output_ids + prompt(seeds[1], lengths[1])
     return storage, p, d, Req(rid="t2", input_ids=ids, max_new_tokens=4)
-
-
-def clean(*workers: PrefillWorker | DecodeWorker) -> None:
-    for w in workers:
-        state = w.state()
-        assert state.locks == 0, (w.role, state)
-        for pool in state.pool_usage.values():
-            assert set(pool) <= {"radix"}, (w.role, state.pool_usage)
 
 
 @pytest.mark.parametrize("cfg", [SMALL, HYBRID], ids=["plain", "hybrid"])
