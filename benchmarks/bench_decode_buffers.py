@@ -2,10 +2,11 @@
 
 For every request a decode worker makes a KV buffer for the whole sequence and, when its
 prefix cache kept the head of the prompt, a page tensor joining kept and received pages
-(``pd_cache.worker.buffers``). This runs bench_pd's multi-turn workload through one
-prefill and one decode worker in this process (no Ray; decode's cache on, 8 requests
-batched, each decode call on a thread of its own as in the actor) twice per repeat: with
-the worker's ``Buffers`` (taken back when a request ends, lent to the next) and with
+(``pd_cache.worker.buffers``). This runs bench_pd's multi-turn workload (its stream and
+seed) through one prefill and one decode worker in this process (no Ray; decode's cache
+on, 8 requests batched, each decode call on a long-lived thread of a pool as in the actor;
+a round's turns prefilled, then decoded together) twice per repeat: with the worker's
+``Buffers`` (taken back when a request ends, lent to the next) and with
 ``Buffers(keep_bytes=0)`` (every buffer new, as before). Prefill is not measured; around
 each round's decode calls it measures this process's CPU seconds and minor page faults.
 Both modes must draw the same tokens.
@@ -19,15 +20,16 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import random
 import resource
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from bench_pd import SEED, workload
 from results_io import write_result  # this folder: the tail every benchmark shares
 
+from pd_cache.app.bench.workloads import Workload
 from pd_cache.core.config import CacheConfig, PDCacheConfig
 from pd_cache.core.model_config import ModelConfig
 from pd_cache.core.request import Req
@@ -36,58 +38,42 @@ from pd_cache.worker.buffers import Buffers
 from pd_cache.worker.workers import DecodeWorker, PrefillWorker
 
 RESULTS = Path(__file__).parent / "results" / "decode_buffers.json"
-SEED = 0
 
 
-def conversations(wl: dict) -> list[list[int]]:
-    """Each client's opening prompt: its tenant's system prompt, then a preamble."""
-    rng = random.Random(wl["seed"])
-    system = [[rng.randrange(wl["vocab_size"]) for _ in range(wl["system_tokens"])]
-              for _ in range(wl["tenants"])]
-    return [system[c % wl["tenants"]]
-            + [rng.randrange(wl["vocab_size"]) for _ in range(wl["preamble_tokens"])]
-            for c in range(wl["tenants"] * wl["clients_per_tenant"])]
-
-
-def one_run(cfg: PDCacheConfig, wl: dict, reuse: bool) -> dict:
+def one_run(cfg: PDCacheConfig, stream: Workload, reuse: bool) -> dict:
     prefill = PrefillWorker(cfg)
     decode = DecodeWorker(cfg, max_batch=8)
     if not reuse:
         decode.engine.buffers = Buffers(keep_bytes=0)
-    rng = random.Random(wl["seed"] + 1)
-    history = conversations(wl)
     cpu = faults = 0.0
-    outputs: list[list[int]] = []
+    answers: dict[int, list[int]] = {}
     # NOTE: long-lived threads taking calls in turn, as a threaded actor's (each thread
     # allocates from its own malloc arena)
     pool = ThreadPoolExecutor(DECODE_CONCURRENCY)
     try:
-        for rnd in range(wl["rounds"]):
+        for turn in sorted({spec.turn for spec in stream.requests}):
             calls = []
-            for c, ids in enumerate(history):
-                ids = ids + [rng.randrange(wl["vocab_size"]) for _ in range(wl["user_tokens"])]
-                req = Req(rid=f"c{c}r{rnd}", input_ids=ids, tenant=f"t{c % wl['tenants']}",
-                          max_new_tokens=wl["output_tokens"])
-                kept = decode.reserve(req)
-                calls.append((req, *prefill.prefill(req, kept)))
+            for spec in (s for s in stream.requests if s.turn == turn):
+                req = Req(rid=f"bench-{spec.index}", input_ids=spec.prompt_ids(answers),
+                          max_new_tokens=spec.max_tokens, cache_salt=spec.cache_salt,
+                          extra_key=spec.extra_key)
+                calls.append((spec.index, req, *prefill.prefill(req, decode.reserve(req))))
             before, start = resource.getrusage(resource.RUSAGE_SELF), time.process_time()
-            answers = [f.result().output_ids for f in
-                       [pool.submit(decode.decode, req, info, pages, states=states)
-                        for req, info, pages, states in calls]]
+            futures = [(index, pool.submit(decode.decode, req, info, pages, states=states))
+                       for index, req, info, pages, states in calls]
+            answers.update((index, f.result().output_ids) for index, f in futures)
             cpu += time.process_time() - start
             faults += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before.ru_minflt
-            for c, ((req, *_), answer) in enumerate(zip(calls, answers)):
-                outputs.append(answer)
-                history[c] = req.input_ids + answer
         buffers = decode.engine.buffers
         taken, reused = buffers.taken, buffers.reused
     finally:
         pool.shutdown()
         prefill.close()
         decode.close()
-    n = len(outputs)
+    n = len(answers)
     return {"decode_cpu_ms_per_request": cpu / n * 1e3, "faults_per_request": faults / n,
-            "buffers_taken": taken, "buffers_reused": reused, "outputs": outputs}
+            "buffers_taken": taken, "buffers_reused": reused,
+            "outputs": [answers[i] for i in sorted(answers)]}
 
 
 def main() -> None:
@@ -99,6 +85,7 @@ def main() -> None:
     wl = {"tenants": 4, "clients_per_tenant": 2, "system_tokens": 1024, "rounds": args.rounds,
           "user_tokens": 256, "output_tokens": 32, "preamble_tokens": 64,
           "vocab_size": 4096, "seed": SEED}
+    stream = workload(wl)
     cfg = PDCacheConfig(model=ModelConfig.preset(args.model),
                         cache=CacheConfig(device_pages=512, host_pages=2048))
     import torch
@@ -107,7 +94,7 @@ def main() -> None:
     runs: dict[str, list[dict]] = {"reused": [], "new": []}
     for i in range(args.repeats):
         for mode in (("reused", "new") if i % 2 == 0 else ("new", "reused")):
-            r = one_run(cfg, wl, mode == "reused")
+            r = one_run(cfg, stream, mode == "reused")
             runs[mode].append(r)
             print(f"  {mode:>6}: decode {r['decode_cpu_ms_per_request']:.1f} CPU ms and "
                   f"{r['faults_per_request']:.0f} page faults a request "
@@ -121,7 +108,8 @@ def main() -> None:
         for r in rs:
             r.pop("outputs")
     out = {"benchmark": "decode_buffers_multi_turn", "seed": SEED, "model": args.model,
-           "workload": wl, "repeats": args.repeats, "load_average": os.getloadavg(),
+           "workload": {**wl, "stream": stream.describe()}, "repeats": args.repeats,
+           "load_average": os.getloadavg(),
            "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
            "runs": runs, "median": median, "outputs_equal": same,
            "decode_cpu_ratio": median["reused"]["decode_cpu_ms_per_request"]
