@@ -47,8 +47,9 @@ class Buffers:
         self._lock = threading.Lock()
         self._free: list[torch.Tensor] = []      # flat buffers, smallest first
         self._free_bytes = 0
-        # NOTE: the flat buffers this made, by id, without keeping them alive: a view handed
-        # back is recognised by its base, anything else is left alone.
+        # NOTE: the flat buffers this made, by the address of their memory, without keeping
+        # them alive: a view handed back is recognised by its storage, anything else is left
+        # alone.
         self._made: weakref.WeakValueDictionary[int, torch.Tensor] = \
             weakref.WeakValueDictionary()
         self.taken = self.reused = 0
@@ -71,17 +72,17 @@ class Buffers:
         if flat is None:
             flat = like.new_empty(max(MIN_BYTES // like.element_size(), _made_size(need)))
             with self._lock:
-                self._made[id(flat)] = flat
+                self._made[flat.data_ptr()] = flat
         return flat[:need].view(tuple(shape))
 
     def give(self, tensor: torch.Tensor | None) -> None:
         """``tensor`` (a ``take``'s, whole) is no longer used by anyone: its memory may be
         lent again. Any other tensor is ignored."""
-        base = None if tensor is None else tensor._base
-        if base is None:
+        if tensor is None:
             return
         with self._lock:
-            if self._made.get(id(base)) is not base:
+            base = self._made.get(tensor.untyped_storage().data_ptr())
+            if base is None or tensor.untyped_storage().nbytes() != base.nbytes:
                 return
             if any(free is base for free in self._free):
                 raise ValueError("Buffers.give: this buffer was handed back already")
