@@ -17,6 +17,8 @@ after token t never depends on where a computation started.
 from __future__ import annotations
 
 import math
+import threading
+import weakref
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -27,6 +29,72 @@ from torch import nn
 from pd_cache.core.config import ModelConfig
 from pd_cache.kv.pages import kv_torch_dtype
 from pd_cache.model.native import attend_native, attend_torch
+
+SCRATCH_BYTES = 32 << 20         # the most one scratch tensor keeps (bytes)
+SCRATCH_TOTAL_BYTES = 128 << 20  # the most all threads' scratch of a process keeps (bytes)
+
+
+class Scratch(threading.local):
+    """Two tensors per thread that a layer writes its intermediates into, forward after
+    forward, instead of new ones each time (``pair``).
+
+    New memory is new to the kernel: the first write of each 4 KiB page of it traps and is
+    zeroed, and glibc hands back (and later maps again) the top of its heap between
+    forwards, so a prompt's MLP intermediates took most of a prefill worker's page faults
+    (docs/benchmarks.md, "A prompt's MLP intermediates in scratch"). Per thread, since a
+    worker runs forwards on several (prefill's, decode's batching thread and its call
+    threads). Each tensor grows to the largest asked of it up to ``limit`` bytes, and all
+    threads together keep at most ``total`` bytes; past either, a pair is made for the call
+    and dropped as before. A thread's scratch goes when the thread does.
+    """
+
+    _lock = threading.Lock()
+    _held = 0   # bytes kept by every thread's scratch
+
+    def __init__(self, limit: int = SCRATCH_BYTES, total: int = SCRATCH_TOTAL_BYTES) -> None:
+        self.limit, self.total = limit, total
+        self.flats: list[torch.Tensor] = []
+
+    def pair(self, rows: int, cols: int, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Two uninitialised ``[rows, cols]`` tensors of ``like``'s dtype and device; their
+        contents are the caller's until its next call on this thread."""
+        need = rows * cols
+        held = self.flats[0] if self.flats else None
+        if held is not None and held.numel() >= need and held.dtype == like.dtype \
+                and held.device == like.device:
+            return tuple(f[:need].view(rows, cols) for f in self.flats)
+        # NOTE: a quarter more than asked: a conversation's next prompt is longer.
+        size = min(need + need // 4, self.limit // like.element_size())
+        if size < need or not self._reserve(2 * size * like.element_size()):
+            return like.new_empty((rows, cols)), like.new_empty((rows, cols))
+        self.flats = [like.new_empty(size) for _ in range(2)]
+        for flat in self.flats:
+            weakref.finalize(flat, Scratch._release, flat.nbytes)
+        return tuple(f[:need].view(rows, cols) for f in self.flats)
+
+    def _reserve(self, nbytes: int) -> bool:
+        """Count ``nbytes`` more kept, less this thread's present pair (dropped on success),
+        if that stays within ``total``."""
+        mine = sum(f.nbytes for f in self.flats)
+        with Scratch._lock:
+            if Scratch._held - mine + nbytes > self.total:
+                return False
+            Scratch._held += nbytes
+        self.flats = []   # NOTE: their finalizers give their bytes back
+        return True
+
+    @staticmethod
+    def _release(nbytes: int) -> None:
+        with Scratch._lock:
+            Scratch._held -= nbytes
+
+    @classmethod
+    def held_bytes(cls) -> int:
+        """Bytes every thread's scratch keeps now."""
+        return cls._held
+
+
+SCRATCH = Scratch()
 
 
 def weight(g: torch.Generator, rows: int, cols: int) -> nn.Parameter:
