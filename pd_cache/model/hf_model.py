@@ -25,7 +25,14 @@ from torch import nn
 from pd_cache.core.config import ModelConfig
 from pd_cache.core.pretrained import checkpoint_digest, weight_files
 from pd_cache.kv.pages import kv_torch_dtype
-from pd_cache.model.layers import PrefixMask, RMSNorm, Rotary, attend_prefix, attend_step
+from pd_cache.model.layers import (
+    PrefixMask,
+    RMSNorm,
+    Rotary,
+    attend_prefix,
+    attend_step,
+    gated,
+)
 from pd_cache.model.model import Model
 
 LLAMA = "LlamaForCausalLM"
@@ -154,7 +161,8 @@ class HFBlock(nn.Module):
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         h = self.post_attention_layernorm(x)
-        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        return x + self.down_proj(gated(h, self.gate_proj.weight, self.up_proj.weight,
+                                        self.gate_proj.bias, self.up_proj.bias))
 
 
 def _norm(weight: nn.Parameter, cfg: ModelConfig) -> RMSNorm:

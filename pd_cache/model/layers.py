@@ -32,6 +32,7 @@ from pd_cache.model.native import attend_native, attend_torch
 
 SCRATCH_BYTES = 32 << 20         # the most one scratch tensor keeps (bytes)
 SCRATCH_TOTAL_BYTES = 128 << 20  # the most all threads' scratch of a process keeps (bytes)
+SCRATCH_MIN_BYTES = 256 << 10   # smaller projections are made new each time (bytes)
 
 
 class Scratch(threading.local):
@@ -95,6 +96,24 @@ class Scratch(threading.local):
 
 
 SCRATCH = Scratch()
+
+
+def gated(h: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+          b_gate: torch.Tensor | None = None, b_up: torch.Tensor | None = None) -> torch.Tensor:
+    """A SwiGLU MLP's inner product ``silu(h W_gate^T + b_gate) * (h W_up^T + b_up)`` for
+    ``h`` ``[..., hidden]``, computed in this thread's ``SCRATCH`` (the same values to the bit
+    as ``F.linear`` and new tensors); valid until the thread's next call."""
+    flat = h.reshape(-1, h.shape[-1])
+    if flat.shape[0] * w_gate.shape[0] * flat.element_size() < SCRATCH_MIN_BYTES:
+        # NOTE: a decode step's few rows: new tensors cost less than the scratch's Python.
+        return F.silu(F.linear(h, w_gate, b_gate)) * F.linear(h, w_up, b_up)
+    gate, up = SCRATCH.pair(flat.shape[0], w_gate.shape[0], flat)
+    for w, b, out in ((w_gate, b_gate, gate), (w_up, b_up, up)):
+        if b is None:
+            torch.mm(flat, w.t(), out=out)
+        else:
+            torch.addmm(b, flat, w.t(), out=out)
+    return F.silu(gate, inplace=True).mul_(up).view(*h.shape[:-1], w_gate.shape[0])
 
 
 def weight(g: torch.Generator, rows: int, cols: int) -> nn.Parameter:

@@ -29,12 +29,12 @@ from pd_cache.core.config import ATTENTION, ModelConfig
 from pd_cache.core.request import Req, SamplingParams
 from pd_cache.kv.pages import check_tensor, kv_torch_dtype
 from pd_cache.model.layers import (
-    SCRATCH,
     Attention,
     PrefixMask,
     Recurrence,
     RMSNorm,
     Rotary,
+    gated,
     prefix_mask,
     weight,
 )
@@ -70,13 +70,7 @@ class _MLPBlock(nn.Module):
         self.w_down = weight(g, cfg.hidden_size, cfg.intermediate_size)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[T, hidden]``; the gate and up projections go into this thread's scratch
-        (the same two tensors forward after forward), the rest as before."""
-        h = self.mlp_norm(x)
-        gate, up = SCRATCH.pair(h.shape[0], self.w_gate.shape[0], h)
-        torch.mm(h, self.w_gate.t(), out=gate)
-        torch.mm(h, self.w_up.t(), out=up)
-        return x + F.linear(F.silu(gate, inplace=True).mul_(up), self.w_down)
+        return x + F.linear(gated(self.mlp_norm(x), self.w_gate, self.w_up), self.w_down)
 
 
 class Block(_MLPBlock):

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from pd_cache.core.config import ModelConfig
-from pd_cache.model.layers import SCRATCH, Scratch
+from pd_cache.model.layers import SCRATCH, Scratch, gated
 from pd_cache.model.model import Model
 
 SMALL = ModelConfig.preset("small")
@@ -28,6 +28,19 @@ def test_mlp_through_scratch_equals_the_formula_to_the_bit_as_lengths_grow_and_s
     for t in (5, 300, 1, 1500, 64, 3000, 300):
         x = torch.randn(t, SMALL.hidden_size)
         assert torch.equal(block._mlp(x), _plain_mlp(block, x)), t
+
+
+def test_gated_with_biases_and_leading_dims_equals_the_formula_to_the_bit() -> None:
+    g = torch.Generator().manual_seed(2)
+    w_gate, w_up = torch.randn(48, 16, generator=g), torch.randn(48, 16, generator=g)
+    b_gate, b_up = torch.randn(48, generator=g), torch.randn(48, generator=g)
+    # NOTE: 2,000 and 3 x 700 rows take the scratch (above SCRATCH_MIN_BYTES), 5 rows not.
+    for shape in ((2000, 16), (3, 700, 16), (5, 16)):
+        h = torch.randn(*shape, generator=g)
+        want = F.silu(F.linear(h, w_gate, b_gate)) * F.linear(h, w_up, b_up)
+        assert torch.equal(gated(h, w_gate, w_up, b_gate, b_up), want), shape
+        assert torch.equal(gated(h, w_gate, w_up),
+                           F.silu(F.linear(h, w_gate)) * F.linear(h, w_up)), shape
 
 
 def test_scratch_lends_the_same_memory_until_a_larger_pair_is_asked() -> None:
