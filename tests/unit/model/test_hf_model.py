@@ -59,7 +59,11 @@ def test_forward_over_a_cached_prefix_equals_the_whole_forward(hf_checkpoints, a
     buf = torch.zeros(2, model.cfg.num_layers, 41, model.cfg.num_kv_heads, model.cfg.head_dim)
     buf[:, :, :39] = whole.kv[:, :, :39]
     step = model.decode_step([ids[39]], [buf], [39])
-    torch.testing.assert_close(step[0], whole.logits[39], atol=1e-5, rtol=1e-5)
+    # NOTE: a step's kernels (one row's products, decode's attention) round differently
+    # from a prompt's: by up to 2e-5 here on an AVX-512 CPU; a wrong position or KV row
+    # moves logits by tenths.
+    torch.testing.assert_close(step[0], whole.logits[39], atol=5e-5, rtol=1e-4)
+    assert int(step[0].argmax()) == int(whole.logits[39].argmax())
     torch.testing.assert_close(buf[:, :, 39], whole.kv[:, :, 39])
 
 
