@@ -117,12 +117,14 @@ class HFAttention(nn.Module):
                 self.k_proj(x).view(n, self.num_kv_heads, self.head_dim),
                 self.v_proj(x).view(n, self.num_kv_heads, self.head_dim))
 
-    def forward(self, x: torch.Tensor, room: torch.Tensor, start: int,
-                how: PrefixMask) -> torch.Tensor:
-        """``x`` ``[T, hidden]`` after ``start`` tokens in ``room`` (see ``Attention``)."""
+    def forward(self, x: torch.Tensor, past: torch.Tensor,
+                how: PrefixMask) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x`` ``[T, hidden]`` after ``past`` ``[2, P, Hkv, D]`` -> output, new KV."""
+        start = past.shape[1]
         q, k, v = self._qkv(x)
-        return self.o_proj(attend_prefix(self.rotary(q, start), self.rotary(k, start), v, room,
-                                         start, how))
+        out, new = attend_prefix(self.rotary(q, start), self.rotary(k, start), v, past,
+                                 self.kv_dtype, how)
+        return self.o_proj(out), new
 
     def step(self, x: torch.Tensor, bufs: Sequence[torch.Tensor], layer: int,
              positions: list[int], pos: torch.Tensor) -> torch.Tensor:
@@ -147,9 +149,10 @@ class HFBlock(nn.Module):
         self.up_proj = w.linear(f"{p}.mlp.up_proj", m, h, False)
         self.down_proj = w.linear(f"{p}.mlp.down_proj", h, m, False)
 
-    def forward(self, x: torch.Tensor, room: torch.Tensor, start: int,
-                how: PrefixMask) -> torch.Tensor:
-        return self._mlp(x + self.self_attn(self.input_layernorm(x), room, start, how))
+    def forward(self, x: torch.Tensor, past: torch.Tensor,
+                how: PrefixMask) -> tuple[torch.Tensor, torch.Tensor]:
+        attn, new = self.self_attn(self.input_layernorm(x), past, how)
+        return self._mlp(x + attn), new
 
     def step(self, x: torch.Tensor, bufs: Sequence[torch.Tensor], layer: int,
              positions: list[int], pos: torch.Tensor) -> torch.Tensor:

@@ -36,8 +36,8 @@ SCRATCH_MIN_BYTES = 256 << 10   # smaller projections are made new each time (by
 
 
 class Scratch(threading.local):
-    """``count`` tensors per thread that a forward writes its intermediates into, forward
-    after forward, instead of new ones each time (``take``).
+    """Two tensors per thread that a layer writes its intermediates into, forward after
+    forward, instead of new ones each time (``pair``).
 
     New memory is new to the kernel: the first write of each 4 KiB page of it traps and is
     zeroed, and glibc hands back (and later maps again) the top of its heap between
@@ -45,21 +45,20 @@ class Scratch(threading.local):
     (docs/benchmarks.md, "A prompt's MLP intermediates in scratch"). Per thread, since a
     worker runs forwards on several (prefill's, decode's batching thread and its call
     threads). Each tensor grows to the largest asked of it up to ``limit`` bytes, and all
-    threads' scratch together keeps at most ``total`` bytes; past either, tensors are made
-    for the call and dropped as before. A thread's scratch goes when the thread does.
+    threads together keep at most ``total`` bytes; past either, a pair is made for the call
+    and dropped as before. A thread's scratch goes when the thread does.
     """
 
     _lock = threading.Lock()
     _held = 0   # bytes kept by every thread's scratch
 
-    def __init__(self, limit: int = SCRATCH_BYTES, total: int = SCRATCH_TOTAL_BYTES,
-                 count: int = 2) -> None:
-        self.limit, self.total, self.count = limit, total, count
+    def __init__(self, limit: int = SCRATCH_BYTES, total: int = SCRATCH_TOTAL_BYTES) -> None:
+        self.limit, self.total = limit, total
         self.flats: list[torch.Tensor] = []
 
-    def take(self, rows: int, cols: int, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """``count`` uninitialised ``[rows, cols]`` tensors of ``like``'s dtype and device;
-        their contents are the caller's until its next call on this thread."""
+    def pair(self, rows: int, cols: int, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Two uninitialised ``[rows, cols]`` tensors of ``like``'s dtype and device; their
+        contents are the caller's until its next call on this thread."""
         need = rows * cols
         held = self.flats[0] if self.flats else None
         if held is not None and held.numel() >= need and held.dtype == like.dtype \
@@ -67,16 +66,16 @@ class Scratch(threading.local):
             return tuple(f[:need].view(rows, cols) for f in self.flats)
         # NOTE: a quarter more than asked: a conversation's next prompt is longer.
         size = min(need + need // 4, self.limit // like.element_size())
-        if size < need or not self._reserve(self.count * size * like.element_size()):
-            return tuple(like.new_empty((rows, cols)) for _ in range(self.count))
-        self.flats = [like.new_empty(size) for _ in range(self.count)]
+        if size < need or not self._reserve(2 * size * like.element_size()):
+            return like.new_empty((rows, cols)), like.new_empty((rows, cols))
+        self.flats = [like.new_empty(size) for _ in range(2)]
         for flat in self.flats:
             weakref.finalize(flat, Scratch._release, flat.nbytes)
         return tuple(f[:need].view(rows, cols) for f in self.flats)
 
     def _reserve(self, nbytes: int) -> bool:
-        """Count ``nbytes`` more kept, less this thread's present tensors (dropped on
-        success), if that stays within ``total``."""
+        """Count ``nbytes`` more kept, less this thread's present pair (dropped on success),
+        if that stays within ``total``."""
         mine = sum(f.nbytes for f in self.flats)
         with Scratch._lock:
             if Scratch._held - mine + nbytes > self.total:
@@ -96,8 +95,7 @@ class Scratch(threading.local):
         return cls._held
 
 
-SCRATCH = Scratch()         # the MLP's gate and up projections
-MASKS = Scratch(count=1)    # a resumed prompt's attention mask
+SCRATCH = Scratch()
 
 
 def gated(h: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
@@ -109,7 +107,7 @@ def gated(h: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
     if flat.shape[0] * w_gate.shape[0] * flat.element_size() < SCRATCH_MIN_BYTES:
         # NOTE: a decode step's few rows: new tensors cost less than the scratch's Python.
         return F.silu(F.linear(h, w_gate, b_gate)) * F.linear(h, w_up, b_up)
-    gate, up = SCRATCH.take(flat.shape[0], w_gate.shape[0], flat)
+    gate, up = SCRATCH.pair(flat.shape[0], w_gate.shape[0], flat)
     for w, b, out in ((w_gate, b_gate, gate), (w_up, b_up, up)):
         if b is None:
             torch.mm(flat, w.t(), out=out)
@@ -172,16 +170,16 @@ class Attention(nn.Module):
         self.wv = weight(g, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size)
         self.wo = weight(g, cfg.hidden_size, cfg.num_heads * cfg.head_dim)
 
-    def forward(self, x: torch.Tensor, room: torch.Tensor, start: int,
-                how: PrefixMask) -> torch.Tensor:
-        """``x`` ``[T, hidden]`` after the ``start`` tokens whose KV is in ``room`` ``[2, >=
-        start + T, Hkv, D]``, which takes the new tokens' KV after them; ``how`` is
-        ``prefix_mask(T, start)``."""
-        t = x.shape[0]
+    def forward(self, x: torch.Tensor, past: torch.Tensor,
+                how: PrefixMask) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x`` ``[T, hidden]`` after ``past`` ``[2, P, Hkv, D]`` -> output, new KV;
+        ``how`` is ``prefix_mask(T, P)``."""
+        t, start = x.shape[0], past.shape[1]
         q = self.rotary(F.linear(x, self.wq).view(t, self.num_heads, self.head_dim), start)
         k = self.rotary(F.linear(x, self.wk).view(t, self.num_kv_heads, self.head_dim), start)
         v = F.linear(x, self.wv).view(t, self.num_kv_heads, self.head_dim)
-        return F.linear(attend_prefix(q, k, v, room, start, how), self.wo)
+        out, new = attend_prefix(q, k, v, past, self.kv_dtype, how)
+        return F.linear(out, self.wo), new
 
     def step(self, x: torch.Tensor, bufs: Sequence[torch.Tensor], layer: int,
              positions: list[int], pos: torch.Tensor) -> torch.Tensor:
@@ -208,34 +206,30 @@ def prefix_mask(t: int, start: int, device: torch.device | str = "cpu") -> Prefi
     forward and shared by every layer. One query sees every key (no mask); with no cached
     prefix that is SDPA's own causal flag (the same values to the bit, and blocks above the
     diagonal skipped: about half the attention of a whole prompt); else an additive float
-    mask (a boolean one is converted to it inside every call), in this thread's ``MASKS``:
-    valid until the thread's next forward."""
+    mask (a boolean one is converted to it inside every call)."""
     if t == 1:
         return PrefixMask()
     if start == 0:
         return PrefixMask(causal=True)
-    mask, = MASKS.take(t, start + t, torch.empty(0, device=device))
-    return PrefixMask(mask.fill_(-math.inf).triu_(start + 1))
+    keys = torch.arange(start + t, device=device)
+    sees = keys[None, :] <= (torch.arange(t, device=device) + start)[:, None]
+    return PrefixMask(torch.zeros(sees.shape, device=device).masked_fill_(~sees, -math.inf))
 
 
-def attend_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, room: torch.Tensor,
-                  start: int, how: PrefixMask) -> torch.Tensor:
-    """Queries ``q`` ``[T, H, D]`` at positions ``start ..`` over one layer's KV ``room``
-    ``[2, >= start + T, Hkv, D]``, whose first ``start`` tokens are the prefix's: writes the
-    new keys and values ``k``, ``v`` ``[T, Hkv, D]`` after them (rounded to the room's KV
-    dtype) and attends over the first ``start + T`` -> output ``[T, H * D]``."""
-    end = start + q.shape[0]
-    # NOTE: rounded to the storage dtype before attending, so the cached and uncached paths
-    # attend over exactly the same values; the prefix is attended where it lies, no copy.
-    room[0, start:end].copy_(k)
-    room[1, start:end].copy_(v)
-    kv = room[:, :end] if room.dtype == torch.float32 else room[:, :end].float()
+def attend_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: torch.Tensor,
+                  kv_dtype: torch.dtype, how: PrefixMask) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries ``q`` ``[T, H, D]`` over ``past`` ``[2, P, Hkv, D]`` and their own keys and
+    values ``k``, ``v`` ``[T, Hkv, D]`` -> output ``[T, H * D]``, new KV ``[2, T, Hkv, D]``."""
+    # NOTE: round to the storage dtype before attending, so the cached and uncached paths
+    # attend over exactly the same values.
+    new = torch.stack([k, v]).to(kv_dtype)
+    kv = torch.cat([past.float(), new.float()], dim=1)
     # NOTE: 4-D inputs [1, H, T, D]: on CPU only those take the fused kernel (3-D ones fall
     # back to the math path, ~6x slower).
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None], kv[0].transpose(0, 1)[None], kv[1].transpose(0, 1)[None],
         attn_mask=how.mask, is_causal=how.causal, enable_gqa=True)
-    return out[0].transpose(0, 1).reshape(q.shape[0], -1)
+    return out[0].transpose(0, 1).reshape(q.shape[0], -1), new
 
 
 class Recurrence(nn.Module):

@@ -42,8 +42,7 @@ from pd_cache.model.layers import (
 
 class ForwardOutput(NamedTuple):
     """``logits``: float32 ``[T, V]`` (``[1, V]`` for the last token only);
-    ``kv``: the new tokens' KV, ``[2, L, T, Hkv, D]`` in the KV dtype (a view of the
-    forward's room: contiguous only when the room held nothing else); for a hybrid model
+    ``kv``: the new tokens' KV, ``[2, L, T, Hkv, D]`` in the KV dtype; for a hybrid model
     ``state``: the recurrent state after the last token ``[R, hidden]``, and ``states``:
     the state after each ``state_at`` count of new tokens ``[len(state_at), R, hidden]``
     (both ``None`` for a plain model)."""
@@ -52,18 +51,6 @@ class ForwardOutput(NamedTuple):
     kv: torch.Tensor
     state: torch.Tensor | None = None
     states: torch.Tensor | None = None
-
-
-class KVRoom(NamedTuple):
-    """A forward's KV buffer given by its caller: ``room`` ``[2, L, >= P + T, Hkv, D]``
-    (contiguous, the model's KV dtype and device) whose first ``tokens`` (P) hold the
-    prefix's KV; ``Model.forward`` writes the ``T`` new tokens' KV after them, in place, and
-    attends over the prefix where it lies. A caller that reuses one buffer across requests
-    (a prefill worker gathering cached pages into it) saves the prefix's copies and new
-    memory for each forward."""
-
-    room: torch.Tensor
-    tokens: int
 
 
 class Generation(NamedTuple):
@@ -93,9 +80,11 @@ class Block(_MLPBlock):
         self.attn = Attention(cfg, g, rotary)
         self._add_mlp(cfg, g)
 
-    def forward(self, x: torch.Tensor, room: torch.Tensor, start: int,
-                how: PrefixMask) -> torch.Tensor:
-        return self._mlp(x + self.attn(self.attn_norm(x), room, start, how))
+    def forward(self, x: torch.Tensor, past: torch.Tensor,
+                how: PrefixMask) -> tuple[torch.Tensor, torch.Tensor]:
+        attn, new = self.attn(self.attn_norm(x), past, how)
+        x = x + attn
+        return self._mlp(x), new
 
     def step(self, x: torch.Tensor, bufs: Sequence[torch.Tensor], layer: int,
              positions: list[int], pos: torch.Tensor) -> torch.Tensor:
@@ -141,63 +130,40 @@ class Model(nn.Module):
         return self.embed.device
 
     @torch.no_grad()
-    def forward(self, token_ids: Any, past_kv: torch.Tensor | KVRoom | None = None, *,
+    def forward(self, token_ids: Any, past_kv: torch.Tensor | None = None, *,
                 all_logits: bool = False, state: torch.Tensor | None = None,
                 state_at: Sequence[int] = ()) -> ForwardOutput:
         """Run ``token_ids`` after the prefix whose KV is ``past_kv`` ``[2, L, P, Hkv, D]``
-        (or a ``KVRoom`` holding it, which takes the new tokens' KV too: no copy of the
-        prefix) and, for a hybrid model, whose recurrent state is ``state`` ``[R, hidden]``
-        (``None``: zeros, the state before any token). ``state_at``: counts of new tokens
-        (1..T) after which the state is also returned (``ForwardOutput.states``).
+        and, for a hybrid model, whose recurrent state is ``state`` ``[R, hidden]`` (``None``:
+        zeros, the state before any token). ``state_at``: counts of new tokens (1..T) after
+        which the state is also returned (``ForwardOutput.states``).
 
         Raises ``ValueError`` for a token id outside the vocabulary, a ``past_kv`` or
-        ``state`` of the wrong shape or dtype, a room too short for the new tokens, a
-        ``state_at`` outside 1..T, or ``P + T`` beyond the model's context.
+        ``state`` of the wrong shape or dtype, a ``state_at`` outside 1..T, or ``P + T``
+        beyond the model's context.
         """
         ids = self._check_ids(token_ids)
-        room, start = self._room(past_kv, len(ids))
+        past = self._check_past(past_kv)
+        self._check_context(past.shape[2], len(ids))
         h0 = self._check_state(state)
         at = _check_state_at(state_at, len(ids))
         x = self.embed[ids]
-        how = prefix_mask(len(ids), start, self.device)
-        layer, finals, kept = 0, [], []
+        how = prefix_mask(len(ids), past.shape[2], self.device)
+        new_kv, finals, kept = [], [], []
         for block, kind in zip(self.blocks, self.cfg.kinds, strict=True):
             if kind == ATTENTION:
-                x = block(x, room[:, layer], start, how)
-                layer += 1
+                x, new = block(x, past[:, len(new_kv)], how)
+                new_kv.append(new)
             else:
                 x, states = block(x, h0[len(finals)])
                 finals.append(states[-1])
                 kept.append(states[at])
         x = x if all_logits else x[-1:]
         logits = F.linear(self.norm(x), self.lm_head)
-        kv = room[:, :, start:start + len(ids)]
         if not finals:
-            return ForwardOutput(logits, kv)
-        return ForwardOutput(logits, kv, torch.stack(finals), torch.stack(kept, dim=1))
-
-    def _room(self, past_kv: torch.Tensor | KVRoom | None,
-              num_new: int) -> tuple[torch.Tensor, int]:
-        """The KV buffer a forward of ``num_new`` tokens attends in, and the prefix's length
-        in it: ``past_kv``'s room, or a new one with the prefix copied in."""
-        if isinstance(past_kv, KVRoom):
-            room, start = past_kv
-            check_kv(room, self.cfg, field="past_kv.room")
-            if not room.is_contiguous() or room.device != self.device:
-                raise ValueError(f"past_kv.room: expected a contiguous tensor on "
-                                 f"{self.device}, got one on {room.device}"
-                                 f"{'' if room.is_contiguous() else ', not contiguous'}")
-            if not 0 <= start <= room.shape[2] - num_new:
-                raise ValueError(f"past_kv.tokens: {start} cached tokens and {num_new} new "
-                                 f"ones do not fit a room of {room.shape[2]} tokens")
-            self._check_context(start, num_new)
-            return room, start
-        past = self._check_past(past_kv)
-        start = past.shape[2]
-        self._check_context(start, num_new)
-        room = past.new_empty((*past.shape[:2], start + num_new, *past.shape[3:]))
-        room[:, :, :start].copy_(past)
-        return room, start
+            return ForwardOutput(logits, torch.stack(new_kv, dim=1))
+        return ForwardOutput(logits, torch.stack(new_kv, dim=1), torch.stack(finals),
+                             torch.stack(kept, dim=1))
 
     @torch.no_grad()
     def decode_step(self, token_ids: Sequence[int], bufs: Sequence[torch.Tensor],
@@ -344,6 +310,6 @@ def reference_generate(model: Model, req: Req) -> Generation:
 
 
 __all__ = [
-    "ForwardOutput", "Generation", "KVRoom", "Model", "check_kv", "check_state",
-    "reference_generate", "sample",
+    "ForwardOutput", "Generation", "Model", "check_kv", "check_state", "reference_generate",
+    "sample",
 ]

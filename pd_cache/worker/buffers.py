@@ -1,15 +1,14 @@
-"""Buffers a worker takes for one request and hands back for the next.
+"""Buffers a decode worker takes for one request and hands back for the next.
 
 For every request, decode makes a KV buffer for the whole sequence (the prompt's KV and
 room for its answer) and, when its prefix cache kept the head of the prompt, a page tensor
-joining the kept pages to the received ones; prefill gathers a prompt's cached prefix into
-a KV room that its forward extends (``pd_cache.model.model.KVRoom``). A few MiB each on the
-``small`` model, alive for one request. New memory each time is new to the kernel too: the
-first write of every 4 KiB page of it traps and is zeroed, and a threaded actor's calls
-allocate from several malloc arenas, so what one call freed is seldom what the next one
-gets. In bench_pd's decode worker that came to 45,000-49,000 page faults a run, most of
-them in decode's two buffers (``docs/benchmarks.md``, "Decode's buffers reused"). A buffer
-handed back when its request ends is lent to the next one, its pages already in memory.
+joining the kept pages to the received ones: a few MiB each on the ``small`` model, alive
+for one request. New memory each time is new to the kernel too: the first write of every
+4 KiB page of it traps and is zeroed, and a threaded actor's calls allocate from several
+malloc arenas, so what one call freed is seldom what the next one gets. In bench_pd's
+decode worker that came to 45,000-49,000 page faults a run, most of them in these two
+buffers (``docs/benchmarks.md``, "Decode's buffers reused"). A buffer handed back when its
+request ends is lent to the next one, its pages already in memory.
 
 Only CPU buffers are kept (a device's caching allocator keeps its own), at most
 ``keep_bytes`` of them while free; a buffer never handed back is freed as any tensor.

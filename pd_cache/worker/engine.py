@@ -44,7 +44,7 @@ from pd_cache.kv.state import StatePool, checkpoints
 from pd_cache.metrics import PDCacheMetrics
 from pd_cache.model.digest import model_layout
 from pd_cache.model.hf_model import build_model
-from pd_cache.model.model import KVRoom, sample
+from pd_cache.model.model import sample
 from pd_cache.storage.base import StorageBackend
 from pd_cache.tiering.controller import CacheController, StoredPages
 from pd_cache.tiering.offload import DecodeOffloadManager
@@ -84,7 +84,7 @@ class LocalEngine(Decoding):
         self.page_size = self.config.cache.page_size
         self.model = build_model(self.config.model, device)
         self.stats = Stats()
-        self.buffers = Buffers()   # per-request buffers (prefill's KV room, decode's), reused
+        self.buffers = Buffers()   # decode's per-request buffers, reused
         self.device_pool: PagePool = device_pool(self.layout, int(self.config.cache.device_pages),
                                                  device)
         self.host_pool: PagePool = host_pool(self.layout, int(self.config.cache.host_pages))
@@ -180,21 +180,11 @@ class LocalEngine(Decoding):
             (num_pages_for(len(req.input_ids), self.page_size), *self.layout.page_shape))
         self.cache.load_back(match, self.cache.read_pages(match, out=pages[:local]))
         pages[local:done].copy_(stored.pages)
-        # NOTE: the forward's KV room is lent (the prefix gathered into it, the new tokens'
-        # KV written after it), so a prompt costs no new memory and no copy of its prefix
-        # beyond this gather; it goes back once the new KV is in the page tensor.
-        two, layers, _, heads, dim = self.layout.page_shape
-        room = self.buffers.take((two, layers, len(req.input_ids), heads, dim), like=pages)
-        try:
-            if done:
-                pages_to_kv(pages[:done], num_cached, self.layout, out=room)
-            with self.cores.forward(len(req.input_ids) - num_cached):
-                out = self.model(req.input_ids[num_cached:], KVRoom(room, num_cached),
-                                 state=known.get(done - 1),
-                                 state_at=self._state_at(done, key.num_pages))
-            kv_to_pages(out.kv, self.page_size, out=pages[done:])
-        finally:
-            self.buffers.give(room)
+        prefix_kv = pages_to_kv(pages[:done], num_cached, self.layout)
+        with self.cores.forward(len(req.input_ids) - num_cached):
+            out = self.model(req.input_ids[num_cached:], prefix_kv, state=known.get(done - 1),
+                             state_at=self._state_at(done, key.num_pages))
+        kv_to_pages(out.kv, self.page_size, out=pages[done:])
         kept = {} if out.states is None else dict(zip(
             checkpoints(done, key.num_pages - 1, self.state_every), out.states))
         inserted = self.cache.insert(key, pages, seed, {**known, **kept})

@@ -45,18 +45,18 @@ def test_gated_with_biases_and_leading_dims_equals_the_formula_to_the_bit() -> N
 
 def test_scratch_lends_the_same_memory_until_a_larger_pair_is_asked() -> None:
     scratch, like = Scratch(limit=1 << 20), torch.empty(0)
-    a, b = scratch.take(10, 8, like)
+    a, b = scratch.pair(10, 8, like)
     assert a.shape == b.shape == (10, 8) and a.data_ptr() != b.data_ptr()
-    again = scratch.take(4, 8, like)
+    again = scratch.pair(4, 8, like)
     assert [t.data_ptr() for t in again] == [a.data_ptr(), b.data_ptr()]
-    grown = scratch.take(100, 8, like)
+    grown = scratch.pair(100, 8, like)
     assert grown[0].data_ptr() != a.data_ptr()
-    assert scratch.take(90, 8, like)[0].data_ptr() == grown[0].data_ptr()
+    assert scratch.pair(90, 8, like)[0].data_ptr() == grown[0].data_ptr()
     # NOTE: above the limit a pair is made for the call and not kept.
-    big = scratch.take(1 << 16, 8, like)
+    big = scratch.pair(1 << 16, 8, like)
     assert big[0].shape == (1 << 16, 8)
-    assert scratch.take(90, 8, like)[0].data_ptr() == grown[0].data_ptr()
-    as_double = scratch.take(4, 8, torch.empty(0, dtype=torch.float64))
+    assert scratch.pair(90, 8, like)[0].data_ptr() == grown[0].data_ptr()
+    as_double = scratch.pair(4, 8, torch.empty(0, dtype=torch.float64))
     assert as_double[0].dtype == torch.float64
 
 
@@ -66,8 +66,8 @@ def test_all_threads_keep_at_most_the_total_and_a_finished_thread_gives_its_shar
     kept: list[int] = []
 
     def fill() -> None:
-        kept.append(scratch.take(1000, 100, like)[0].data_ptr())   # 2 x 500 KB kept
-        assert scratch.take(1000, 100, like)[0].data_ptr() == kept[-1]
+        kept.append(scratch.pair(1000, 100, like)[0].data_ptr())   # 2 x 500 KB kept
+        assert scratch.pair(1000, 100, like)[0].data_ptr() == kept[-1]
 
     before = Scratch.held_bytes()
     for _ in range(2):
@@ -76,22 +76,22 @@ def test_all_threads_keep_at_most_the_total_and_a_finished_thread_gives_its_shar
         th.join()
     # NOTE: each thread's pair went with it, so the second thread could keep one too.
     assert Scratch.held_bytes() == before
-    a = scratch.take(1000, 100, like)[0]
+    a = scratch.pair(1000, 100, like)[0]
     assert Scratch.held_bytes() == before + 2 * 125_000 * 4
     blocked: list[bool] = []
 
     def over() -> None:
-        first = scratch.take(2000, 100, like)[0]    # 2 x 1 MB more: past the total
-        blocked.append(first.data_ptr() != scratch.take(2000, 100, like)[0].data_ptr())
+        first = scratch.pair(2000, 100, like)[0]    # 2 x 1 MB more: past the total
+        blocked.append(first.data_ptr() != scratch.pair(2000, 100, like)[0].data_ptr())
 
     holder = Scratch(limit=1 << 22, total=scratch.total)
-    holder.take(1 << 17, 1, like)                   # 2 x 640 KiB of the total kept here
+    holder.pair(1 << 17, 1, like)                   # 2 x 640 KiB of the total kept here
     assert Scratch.held_bytes() == before + 2 * 125_000 * 4 + 2 * 163_840 * 4
     th = threading.Thread(target=over)
     th.start()
     th.join()
     assert blocked == [True]
-    assert scratch.take(1000, 100, like)[0].data_ptr() == a.data_ptr()
+    assert scratch.pair(1000, 100, like)[0].data_ptr() == a.data_ptr()
 
 
 def test_each_thread_has_scratch_of_its_own_and_concurrent_forwards_agree() -> None:
@@ -100,12 +100,12 @@ def test_each_thread_has_scratch_of_its_own_and_concurrent_forwards_agree() -> N
     prompts = [torch.randint(0, SMALL.vocab_size, (n,), generator=g).tolist()
                for n in (700, 90, 1200, 33)]
     alone = [model.forward(ids).logits for ids in prompts]
-    here = SCRATCH.take(2, 2, torch.empty(0))[0].data_ptr()
+    here = SCRATCH.pair(2, 2, torch.empty(0))[0].data_ptr()
     seen, got, errors = [], {}, []
 
     def run(k: int) -> None:
         try:
-            seen.append(SCRATCH.take(2, 2, torch.empty(0))[0].data_ptr())
+            seen.append(SCRATCH.pair(2, 2, torch.empty(0))[0].data_ptr())
             for _ in range(3):
                 for i, ids in enumerate(prompts[k:] + prompts[:k]):
                     got.setdefault((k, (i + k) % len(prompts)), []).append(
