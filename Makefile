@@ -48,7 +48,8 @@ bench: $(VENV)/.installed-test
 # `make bench-peer`: pd-cache beside `transformers serve` on the same checkpoints and
 # workloads (benchmarks/peers/run.py; <= 45 minutes). Each peer goes into a venv of its own
 # under the temp directory, never into $(VENV); PEER_ARGS=--quick for a few minutes,
-# PEER_ARGS='--peer-url URL' for a server already running (vLLM, SGLang).
+# PEER_ARGS='--peer vllm' for vLLM's CPU build (a CPU with AVX-512), PEER_ARGS='--peer-url
+# URL' for a server already running (SGLang, a llama.cpp server).
 bench-peer: $(VENV)/.installed-test
 	$(PY) benchmarks/peers/run.py $(PEER_ARGS)
 

