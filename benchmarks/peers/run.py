@@ -174,15 +174,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--plot", type=Path, default=None,
                     help="default docs/peers.png (peers_vllm.png for vLLM)")
     args = ap.parse_args(argv)
-    suffix = "_vllm" if args.peer == "vllm" and not args.peer_url else ""
+    # NOTE: vLLM started here (not by URL) has results of its own and no tiny checkpoint.
+    starts_vllm = args.peer == "vllm" and not args.peer_url
+    suffix = "_vllm" if starts_vllm else ""
     args.output = args.output or RESULTS.with_name(f"peer{suffix}.json")
     args.plot = args.plot or PLOT.with_name(f"peers{suffix}.png")
     if args.quick:
         args.rates, args.repeats, args.requests, args.low_load_requests = "0.5,2", 1, 8, 10
         args.workloads = "multi-turn,zero-reuse"
     if args.checkpoints is None:
-        args.checkpoints = "compute" if args.peer == "vllm" and not args.peer_url else \
-            "tiny,compute"
+        args.checkpoints = "compute" if starts_vllm else "tiny,compute"
     args.checkpoints = [c for c in args.checkpoints.split(",") if c]
     args.workloads = [w for w in args.workloads.split(",") if w]
     args.tiny_workloads = [w for w in args.tiny_workloads.split(",") if w]

@@ -145,12 +145,16 @@ class PdCache(Server):
         return {**os.environ, "PYTHONPATH": str(self.cwd), **self.env}
 
 
-class Transformers(Server):
-    name = "transformers"
+class VenvPeer(Server):
+    """A peer server run from its own venv (``ensure_venv``) on the checkpoint ``model_dir``."""
 
     def __init__(self, log_dir: Path, venv: Path, model_dir: str) -> None:
         super().__init__(log_dir)
         self.venv, self.model_dir = venv, model_dir
+
+
+class Transformers(VenvPeer):
+    name = "transformers"
 
     def command(self) -> list[str]:
         return [str(self.venv / "bin" / "transformers"), "serve", self.model_dir,
@@ -158,7 +162,7 @@ class Transformers(Server):
                 "--device", "cpu"]
 
 
-class Vllm(Server):
+class Vllm(VenvPeer):
     """vLLM's CPU build: its automatic prefix caching on (the V1 engine's default, asked for
     anyway), float32 as the checkpoint, its whole context, 1 GiB of KV cache (the
     ``compute`` checkpoint's 4 KiB a token: about 260,000 tokens, more than any workload
@@ -172,10 +176,6 @@ class Vllm(Server):
     DROP = ("torchvision", "torchaudio", "torchcodec")
 
     name = "vllm"
-
-    def __init__(self, log_dir: Path, venv: Path, model_dir: str) -> None:
-        super().__init__(log_dir)
-        self.venv, self.model_dir = venv, model_dir
 
     def command(self) -> list[str]:
         return [str(self.venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
