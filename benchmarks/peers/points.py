@@ -13,7 +13,11 @@ from typing import Any, NamedTuple
 
 REPO = Path(__file__).resolve().parents[2]
 SLO_TTFT_MS, SLO_TPOT_MS = 2500.0, 250.0
-RATES = (0.25, 0.5, 1.0, 2.0, 4.0)
+# NOTE: the last rate is ``inf``: every request at once (multi-turn: every user at once, each
+# sending its next turn when its own answer is in). A server's goodput is the most it keeps
+# within the SLO at any rate, so the grid must reach what each server can take; ending at a
+# rate both servers keep up with would cap both goodputs at that rate.
+RATES = (0.25, 0.5, 1.0, 2.0, 4.0, math.inf)
 TEXT_VOCAB = 95   # ids the text mode writes as distinct printable characters
 
 # NOTE: every workload's prompts are text of printable characters, one token each at every

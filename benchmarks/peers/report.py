@@ -4,6 +4,7 @@ pd-cache / peer, a markdown table and a plot."""
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 from typing import Any
 
@@ -136,9 +137,12 @@ def plot(result: dict[str, Any], path: Path) -> None:
         groups.setdefault(group, []).append((x, row))
     if not groups:
         return
+    finite = [x for rows in groups.values() for x, _ in rows if math.isfinite(x)]
+    at_once = 2 * max(finite, default=4.0)   # where ``inf`` (every request at once) is drawn
     fig, axes = plt.subplots(2, len(groups), figsize=(4 * len(groups), 6), squeeze=False)
     for col, (group, rows) in enumerate(sorted(groups.items())):
-        rows.sort(key=lambda r: r[0])
+        rows = sorted(((x if math.isfinite(x) else at_once, row) for x, row in rows),
+                      key=lambda r: r[0])
         for server, style in (("pd", "o-"), ("peer", "s--")):
             xs = [r for r, row in rows if server in row]
             if not xs:
@@ -151,7 +155,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
         axes[0][col].set_yscale("log")
         axes[0][col].set_ylabel("TTFT p50 (ms)")
         axes[1][col].set_ylabel("goodput (req/s)")
-        axes[1][col].set_xlabel("request rate (req/s)")
+        axes[1][col].set_xlabel("request rate (req/s; rightmost: all at once)"
+                                if any(x == at_once for x, _ in rows) else "request rate (req/s)")
         axes[0][col].legend(fontsize=8)
     fig.suptitle(f"pd-cache vs {result['peer']} (load avg "
                  f"{result['machine']['load_avg_before'][0]})", fontsize=10)

@@ -154,7 +154,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="of the compute checkpoint (default %(default)s)")
     ap.add_argument("--tiny-workloads", default="low-load",
                     help="of the tiny checkpoint (default %(default)s)")
-    ap.add_argument("--rates", default=",".join(f"{r:g}" for r in RATES))
+    ap.add_argument("--rates", default=",".join(f"{r:g}" for r in RATES),
+                    help="req/s; inf: every request at once, multi-turn as a closed loop "
+                         "(default %(default)s)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--requests", type=int, default=16, help="requests a run")
     ap.add_argument("--low-load-requests", type=int, default=20)
