@@ -119,6 +119,14 @@ def _f(v: float | None, digits: int = 0) -> str:
     return f"{v:.{digits}f}"
 
 
+def drawn_at(rate: float, rates: list[float]) -> float:
+    """Where ``rate`` goes on the plot's rate axis: itself, or for ``inf`` (every request at
+    once) twice the largest finite one of ``rates`` (4 req/s when there is none)."""
+    if math.isfinite(rate):
+        return rate
+    return 2 * max((r for r in rates if math.isfinite(r)), default=4.0)
+
+
 def plot(result: dict[str, Any], path: Path) -> None:
     """TTFT p50 and goodput against the rate, per checkpoint/workload, both servers."""
     try:
@@ -137,12 +145,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
         groups.setdefault(group, []).append((x, row))
     if not groups:
         return
-    finite = [x for rows in groups.values() for x, _ in rows if math.isfinite(x)]
-    at_once = 2 * max(finite, default=4.0)   # where ``inf`` (every request at once) is drawn
+    rates = [x for rows in groups.values() for x, _ in rows]
+    at_once = drawn_at(math.inf, rates)
     fig, axes = plt.subplots(2, len(groups), figsize=(4 * len(groups), 6), squeeze=False)
     for col, (group, rows) in enumerate(sorted(groups.items())):
-        rows = sorted(((x if math.isfinite(x) else at_once, row) for x, row in rows),
-                      key=lambda r: r[0])
+        rows = sorted(((drawn_at(x, rates), row) for x, row in rows), key=lambda r: r[0])
         for server, style in (("pd", "o-"), ("peer", "s--")):
             xs = [r for r, row in rows if server in row]
             if not xs:
