@@ -11,6 +11,7 @@ from pd_cache.core.vocab import OFFLOAD, PREFETCH_ACK, PREFETCH_BATCH, SKIPPED, 
 from pd_cache.storage.client import StorageClient
 from pd_cache.storage.tier import storage_actors
 from pd_cache.worker.engine import LocalEngine
+from tests.integration.clusters import killed
 from tests.unit.tiering.fakes import PS, assert_clean, config, prompt, reference
 
 ray = pytest.importorskip("ray")
@@ -91,7 +92,7 @@ def test_a_dead_shard_falls_back_to_recompute(ray_cluster: Any) -> None:
         engine, _, turn2 = conversation(cfg, client)
         names = compute_prefix_hash(turn2, turn2.input_ids, page_size=PS)
         owner = client.shards_of(names, [])[0]   # the chain's one segment lives there
-        ray.kill(handles[owner], no_restart=True)
+        killed(handles[owner])
         result = engine.generate(turn2)
         assert result.output_ids == reference(engine, turn2)
         assert result.cached_tokens["storage"] < 9 * PS

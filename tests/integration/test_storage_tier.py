@@ -17,6 +17,7 @@ from pd_cache.storage.client import StorageClient
 from pd_cache.storage.disk import DiskBackend
 from pd_cache.storage.shared import SharedMemoryBackend
 from pd_cache.storage.tier import storage_actor, storage_actors, tier_backend
+from tests.integration.clusters import killed
 from tests.unit.storage.records import Chain, assert_same
 
 ray = pytest.importorskip("ray")
@@ -182,7 +183,7 @@ def test_dead_shard_is_a_miss_not_a_hang(ray_cluster: Any) -> None:
     try:
         chain = Chain(config_for().layout, 10, seed=25)
         assert client.batch_set(chain.names, chain.records) == [True] * 10
-        ray.kill(handles[1], no_restart=True)
+        killed(handles[1])
         owners = [client.shard_of(n) for n in chain.names]
         start = time.monotonic()
         pending = client.submit_get(chain.names)
