@@ -136,23 +136,25 @@ def until(check: Callable[[], bool], what: str, timeout_s: float = 30) -> None:
         time.sleep(0.1)
 
 
+def alive(handle: Any) -> bool:
+    """Whether ``handle``'s actor answers ``ping`` (an L3 shard's) within 10 s."""
+    import ray
+
+    try:
+        ray.get(handle.ping.remote(), timeout=10)
+        return True
+    except ray.exceptions.RayError:
+        return False
+
+
 def killed(handle: Any, timeout_s: float = 30) -> None:
     """``ray.kill(handle, no_restart=True)``, back once the actor answers no more: the kill
     takes effect after ``ray.kill`` returns, and a call sent meanwhile may still be
-    answered. ``handle``'s actor has ``ping`` (an L3 shard's)."""
+    answered."""
     import ray
 
     ray.kill(handle, no_restart=True)
-
-    def gone() -> bool:
-        try:
-            ray.get(handle.ping.remote(), timeout=5)
-        except ray.exceptions.RayActorError:
-            return True
-        except ray.exceptions.GetTimeoutError:
-            pass
-        return False
-    until(gone, "the killed actor still answers", timeout_s)
+    until(lambda: not alive(handle), "the killed actor still answers", timeout_s)
 
 
 def l3_records(cluster: Any) -> list[int]:

@@ -17,7 +17,7 @@ from pd_cache.storage.client import StorageClient
 from pd_cache.storage.disk import DiskBackend
 from pd_cache.storage.shared import SharedMemoryBackend
 from pd_cache.storage.tier import storage_actor, storage_actors, tier_backend
-from tests.integration.clusters import killed
+from tests.integration.clusters import alive, killed
 from tests.unit.storage.records import Chain, assert_same
 
 ray = pytest.importorskip("ray")
@@ -403,14 +403,6 @@ def lost(ref: Any) -> bool:
         return False
     except ray.exceptions.RayError:
         return True
-
-
-def alive(handle: Any) -> bool:
-    try:
-        ray.get(handle.ping.remote(), timeout=10)
-        return True
-    except ray.exceptions.RayError:
-        return False
 
 
 def test_lent_objects_are_freed_on_eviction_discard_and_death(ray_cluster: Any) -> None:
