@@ -146,9 +146,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
     if not groups:
         return
     rates = [x for rows in groups.values() for x, _ in rows]
-    at_once = drawn_at(math.inf, rates)
     fig, axes = plt.subplots(2, len(groups), figsize=(4 * len(groups), 6), squeeze=False)
     for col, (group, rows) in enumerate(sorted(groups.items())):
+        at_once = any(not math.isfinite(x) for x, _ in rows)
         rows = sorted(((drawn_at(x, rates), row) for x, row in rows), key=lambda r: r[0])
         for server, style in (("pd", "o-"), ("peer", "s--")):
             xs = [r for r, row in rows if server in row]
@@ -162,8 +162,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
         axes[0][col].set_yscale("log")
         axes[0][col].set_ylabel("TTFT p50 (ms)")
         axes[1][col].set_ylabel("goodput (req/s)")
-        axes[1][col].set_xlabel("request rate (req/s; rightmost: all at once)"
-                                if any(x == at_once for x, _ in rows) else "request rate (req/s)")
+        axes[1][col].set_xlabel("request rate (req/s; rightmost: all at once)" if at_once
+                                else "request rate (req/s)")
         axes[0][col].legend(fontsize=8)
     fig.suptitle(f"pd-cache vs {result['peer']} (load avg "
                  f"{result['machine']['load_avg_before'][0]})", fontsize=10)
